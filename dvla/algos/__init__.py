@@ -1,0 +1,20 @@
+"""Learning algorithms: GRPO (critic-free, group-relative) and PPO (GAE, value head)."""
+
+from __future__ import annotations
+
+from dvla.algos.base import Algorithm, GradSync
+from dvla.algos.grpo import GRPO
+from dvla.algos.ppo import PPO
+from dvla.config import AlgoConfig, ConfigError
+from dvla.policy import VLAPolicy
+
+ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPO, "ppo": PPO}
+
+
+def build_algorithm(cfg: AlgoConfig, policy: VLAPolicy, grad_sync: GradSync | None = None) -> Algorithm:
+    if cfg.name not in ALGORITHMS:
+        raise ConfigError(f"algo.name: unknown {cfg.name!r}; allowed: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[cfg.name](cfg, policy, grad_sync)
+
+
+__all__ = ["Algorithm", "GRPO", "PPO", "ALGORITHMS", "build_algorithm"]

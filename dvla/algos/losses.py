@@ -1,0 +1,92 @@
+"""Loss terms and advantage estimators shared by the algorithms, as pure functions.
+
+They work on flat tensors so they can be checked against hand-computed values.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def clipped_policy_loss(
+    new_log_probs: Tensor,
+    prox_log_probs: Tensor,
+    advantages: Tensor,
+    clip_eps: float,
+    behav_log_probs: Tensor | None = None,
+    max_is_weight: float | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate in its decoupled form.
+
+    The trust region is taken around the *proximal* policy (``prox_log_probs``);
+    the data may come from an older *behaviour* policy, corrected by the truncated
+    importance weight ``min(pi_prox / pi_behav, max_is_weight)``. With
+    ``behav_log_probs=None`` (on-policy) the weight is 1 and this is plain PPO.
+
+    Returns the mean loss over the given samples and diagnostics.
+    """
+    log_ratio = new_log_probs - prox_log_probs
+    ratio = log_ratio.exp()
+    surr1 = ratio * advantages
+    surr2 = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    per_sample = -torch.minimum(surr1, surr2)
+    if behav_log_probs is not None:
+        w = (prox_log_probs - behav_log_probs).exp()
+        if max_is_weight is not None:
+            w = w.clamp(max=max_is_weight)
+        per_sample = per_sample * w.detach()
+    with torch.no_grad():
+        stats = {
+            "approx_kl": ((ratio - 1.0) - log_ratio).mean(),
+            "clip_frac": ((ratio - 1.0).abs() > clip_eps).float().mean(),
+        }
+    return per_sample.mean(), stats
+
+
+def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """Per-sample, non-negative, unbiased estimator of KL(pi || pi_ref) from samples of pi:
+    ``exp(ref - lp) - (ref - lp) - 1``."""
+    d = ref_log_probs - log_probs
+    return d.exp() - d - 1.0
+
+
+def group_normalized_advantages(returns: Tensor, group_ids: Tensor, eps: float = 1e-6) -> Tensor:
+    """GRPO: ``(R - mean_group(R)) / (std_group(R) + eps)`` with the population std.
+
+    ``returns`` and ``group_ids`` are ``(B,)``; groups of size 1 get advantage 0.
+    """
+    uniq, inv = torch.unique(group_ids, return_inverse=True)
+    n = torch.zeros(len(uniq), device=returns.device).index_add_(0, inv, torch.ones_like(returns))
+    s = torch.zeros_like(n).index_add_(0, inv, returns)
+    mean = s / n
+    sq = torch.zeros_like(n).index_add_(0, inv, (returns - mean[inv]) ** 2)
+    std = (sq / n).sqrt()
+    return (returns - mean[inv]) / (std[inv] + eps)
+
+
+def gae(
+    rewards: Tensor,
+    values: Tensor,
+    terminated: Tensor,
+    done: Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation over time-major ``(T, B)`` tensors.
+
+    ``values`` is ``(T + 1, B)``: ``values[t + 1]`` is the value of the observation
+    after step ``t``. A terminated step does not bootstrap; a ``done`` step (terminated
+    or truncated) stops the recursion, so truncated episodes bootstrap from their
+    last value. Returns ``(advantages, returns)``, both ``(T, B)``.
+    """
+    t_len = rewards.shape[0]
+    adv = torch.zeros_like(rewards)
+    last = torch.zeros_like(rewards[0])
+    not_term = 1.0 - terminated.float()
+    not_done = 1.0 - done.float()
+    for t in reversed(range(t_len)):
+        delta = rewards[t] + gamma * values[t + 1] * not_term[t] - values[t]
+        last = delta + gamma * lam * not_done[t] * last
+        adv[t] = last
+    return adv, adv + values[:-1]

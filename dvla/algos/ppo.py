@@ -1,0 +1,32 @@
+"""PPO with a learned value head and GAE, advantages normalised over the batch."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from dvla.algos.base import Algorithm
+from dvla.algos.losses import gae
+from dvla.config import ConfigError
+from dvla.types import RolloutBatch
+
+
+class PPO(Algorithm):
+    name = "ppo"
+
+    def __init__(self, cfg, policy, grad_sync=None):
+        if not policy.has_value_head:
+            raise ConfigError("algo.name: 'ppo' needs a policy with a value head (e.g. tiny_vla value_head=true)")
+        super().__init__(cfg, policy, grad_sync)
+
+    def advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
+        done = batch.terminated | batch.truncated
+        adv, ret = gae(batch.rewards, batch.values, batch.terminated, done, self.cfg.gamma, self.cfg.gae_lambda)
+        valid = batch.valid
+        if valid.sum() > 1:
+            mean, std = adv[valid].mean(), adv[valid].std()
+            adv = (adv - mean) / (std + 1e-8)
+        return adv * valid.float(), ret
+
+    def extra_loss(self, mb, out):
+        value_loss = 0.5 * (out.values - mb["ret"]).pow(2).mean()
+        return self.cfg.value_coef * value_loss, {"value_loss": value_loss.detach()}

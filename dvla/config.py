@@ -1,0 +1,328 @@
+"""Job configuration: nested keyword-only dataclasses with validation.
+
+Every component owns a small ``@dataclass(kw_only=True)`` config. The top-level
+:class:`JobConfig` nests them. A config is built from a Python preset
+(:mod:`dvla.presets`), optionally merged with a YAML file and command-line
+overrides of the form ``env.n_envs=8`` (or ``--env.n_envs=8``).
+
+Errors are raised as :class:`ConfigError` and always name the offending field by
+its dotted path, the value that was given and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+# --------------------------------------------------------------------------------------
+# Component configs
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class EnvConfig:
+    """Batched environment. ``name`` picks a registered env (see ``dvla.envs.ENV_REGISTRY``)."""
+
+    name: str = "fast_reach"
+    n_envs: int = 16
+    """Parallel environments stepped as one batch (for GRPO: ``n_groups * group_size``)."""
+    episode_len: int = 32
+    """Policy decisions per episode (each decision executes one action chunk)."""
+    image_size: int = 64
+    """Square camera resolution in pixels."""
+    render: bool = True
+    """Produce camera images. When false, images are all zeros (state-only experiments)."""
+    reward_shaping: float = 0.0
+    """Weight of the dense shaping term (progress towards the goal); 0 gives the sparse reward."""
+    success_reward: float = 1.0
+    options: dict[str, Any] = field(default_factory=dict)
+    """Backend-specific options, validated by the env itself (e.g. ``gym_id`` for ``gym``)."""
+
+    def _validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.n_envs < 1:
+            errs.append(("n_envs", f"must be >= 1, got {self.n_envs}"))
+        if self.episode_len < 1:
+            errs.append(("episode_len", f"must be >= 1, got {self.episode_len}"))
+        if not 8 <= self.image_size <= 1024:
+            errs.append(("image_size", f"must be in [8, 1024], got {self.image_size}"))
+        if self.reward_shaping < 0:
+            errs.append(("reward_shaping", f"must be >= 0, got {self.reward_shaping}"))
+        return errs
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """Policy model. ``name`` picks a registered :class:`dvla.policy.VLAPolicy`;
+    ``options`` are checked against that policy's own ``Config`` dataclass."""
+
+    name: str = "tiny_vla"
+    action_chunk: int = 1
+    """Actions predicted per decision (action chunking); the env executes them in order."""
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def _validate(self) -> list[tuple[str, str]]:
+        if self.action_chunk < 1:
+            return [("action_chunk", f"must be >= 1, got {self.action_chunk}")]
+        return []
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """Policy-gradient algorithm and its hyper-parameters."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    lr: float = 3e-4
+    group_size: int = 8
+    """GRPO: rollouts per group that start from an identical initial state."""
+    update_epochs: int = 2
+    minibatches: int = 4
+    clip_eps: float = 0.2
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    """GRPO: weight of the KL penalty to the initial (reference) policy; 0 disables it."""
+    value_coef: float = 0.5
+    gamma: float = 0.99
+    gae_lambda: float = 0.95
+    max_grad_norm: float = 1.0
+    adv_eps: float = 1e-6
+
+    def _validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.lr <= 0:
+            errs.append(("lr", f"must be > 0, got {self.lr}"))
+        if self.group_size < 1:
+            errs.append(("group_size", f"must be >= 1, got {self.group_size}"))
+        if self.update_epochs < 1:
+            errs.append(("update_epochs", f"must be >= 1, got {self.update_epochs}"))
+        if self.minibatches < 1:
+            errs.append(("minibatches", f"must be >= 1, got {self.minibatches}"))
+        if not 0 < self.clip_eps < 1:
+            errs.append(("clip_eps", f"must be in (0, 1), got {self.clip_eps}"))
+        for name in ("gamma", "gae_lambda"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                errs.append((name, f"must be in [0, 1], got {v}"))
+        for name in ("entropy_coef", "kl_coef", "value_coef"):
+            if getattr(self, name) < 0:
+                errs.append((name, f"must be >= 0, got {getattr(self, name)}"))
+        if self.max_grad_norm <= 0:
+            errs.append(("max_grad_norm", f"must be > 0, got {self.max_grad_norm}"))
+        return errs
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Length of the run, seeding, device and outputs."""
+
+    iterations: int = 50
+    """Rollout -> learn -> publish cycles."""
+    seed: int = 0
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
+    out_dir: str = "runs/dvla"
+    """Metrics (``metrics.jsonl``), the resolved config and weights are written here."""
+    progress: bool = True
+    """Show a console progress bar."""
+    save_every: int = 0
+    """Save weights every N iterations (0: only at the end)."""
+    torch_threads: int = 0
+    """``torch.set_num_threads`` for this process; 0 keeps PyTorch's default."""
+
+    def _validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.iterations < 0:
+            errs.append(("iterations", f"must be >= 0, got {self.iterations}"))
+        if self.save_every < 0:
+            errs.append(("save_every", f"must be >= 0, got {self.save_every}"))
+        if self.torch_threads < 0:
+            errs.append(("torch_threads", f"must be >= 0, got {self.torch_threads}"))
+        d = self.device
+        if not (d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())):
+            errs.append(("device", f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {d!r}"))
+        return errs
+
+
+@dataclass(kw_only=True)
+class JobConfig:
+    """Everything a training job needs."""
+
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def _validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.algo.name == "grpo" and self.env.n_envs % self.algo.group_size != 0:
+            errs.append(
+                (
+                    "env.n_envs",
+                    f"GRPO needs n_envs to be a multiple of algo.group_size "
+                    f"({self.algo.group_size}), got {self.env.n_envs}",
+                )
+            )
+        return errs
+
+    # Convenience wrappers -------------------------------------------------------------
+    def validate(self) -> "JobConfig":
+        validate(self)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------
+# Generic machinery: validation, dict/YAML loading, overrides
+# --------------------------------------------------------------------------------------
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return value is None
+    if origin is not None:
+        tp = origin
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, tp)
+
+
+def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def validate(cfg: Any, path: str = "") -> None:
+    """Check types and ranges of a (nested) config dataclass; raise :class:`ConfigError`
+    listing every problem with its dotted field path."""
+    errors = _collect_errors(cfg, path)
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+
+
+def _collect_errors(cfg: Any, path: str) -> list[str]:
+    errors: list[str] = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        fpath = f"{path}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            errors += _collect_errors(value, fpath + ".")
+        elif not _type_ok(value, tp):
+            errors.append(f"{fpath}: expected {_describe(tp)}, got {value!r}")
+    if not errors and hasattr(cfg, "_validate"):
+        errors += [f"{path}{name}: {msg}" for name, msg in cfg._validate()]
+    return errors
+
+
+def from_dict(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """Build dataclass ``cls`` from a plain dict, rejecting unknown keys by name."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path.rstrip('.') or '<root>'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(
+                f"{path}{key}: unknown field; allowed: {', '.join(sorted(names))}"
+            )
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = from_dict(tp, value, f"{path}{key}.")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)
+
+
+def merge(cfg: Any, data: dict[str, Any], path: str = "") -> Any:
+    """Return a copy of ``cfg`` with the (possibly partial, nested) ``data`` applied."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path.rstrip('.') or '<root>'}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(type(cfg))
+    names = {f.name for f in dataclasses.fields(cfg)}
+    changes = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(
+                f"{path}{key}: unknown field; allowed: {', '.join(sorted(names))}"
+            )
+        if dataclasses.is_dataclass(hints[key]):
+            changes[key] = merge(getattr(cfg, key), value, f"{path}{key}.")
+        elif isinstance(value, dict) and isinstance(getattr(cfg, key), dict):
+            changes[key] = {**getattr(cfg, key), **value}
+        else:
+            changes[key] = value
+    return dataclasses.replace(cfg, **changes)
+
+
+def load_yaml(cfg: Any, path: str | Path) -> Any:
+    """Apply the YAML file at ``path`` on top of ``cfg``."""
+    with open(path) as fh:
+        data = yaml.safe_load(fh) or {}
+    return merge(cfg, data)
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """Turn ``a.b.c=value`` (leading ``--`` allowed) into ``{"a": {"b": {"c": value}}}``.
+
+    The value is parsed as YAML, so ``8`` is an int, ``1e-3`` a float, ``true`` a bool
+    and ``[1, 2]`` a list; anything else stays a string.
+    """
+    text = item[2:] if item.startswith("--") else item
+    if "=" not in text:
+        raise ConfigError(f"override {item!r}: expected KEY=VALUE, e.g. env.n_envs=8")
+    key, raw = text.split("=", 1)
+    parts = key.split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: malformed key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str):
+        # YAML 1.1 reads ``1e-3`` as a string; accept scientific notation for floats.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    out: dict[str, Any] = {}
+    node = out
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def apply_overrides(cfg: Any, overrides: list[str]) -> Any:
+    for item in overrides:
+        cfg = merge(cfg, parse_override(item))
+    return cfg
+
+
+def dump_yaml(cfg: Any, path: str | Path) -> None:
+    with open(path, "w") as fh:
+        yaml.safe_dump(dataclasses.asdict(cfg), fh, sort_keys=False)

@@ -1,0 +1,109 @@
+"""A vectorised pure-torch reaching task with the same interface as the simulator envs.
+
+A point effector moves in the plane ``[-1, 1]^2`` by ``max_delta * action`` per control
+step. ``n_targets`` coloured targets are drawn; the instruction names the one to reach
+("move to the red target"). The camera image is a top-down rendering: targets are
+coloured discs, the effector a white disc. Proprio is the effector position (and,
+with ``options.privileged=true``, the goal position too, for state-based baselines).
+
+It runs thousands of steps per second, which makes it the env of choice for tests
+and for measuring framework overhead; ``options.render_cost_ms`` adds a busy-wait per
+rendered observation to imitate a slow simulator in benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from dvla.config import ConfigError, EnvConfig
+from dvla.envs.base import EnvSpec, GoalEnv
+from dvla.types import Observation
+
+COLORS = {
+    "red": (230, 40, 40),
+    "blue": (40, 80, 230),
+    "green": (40, 200, 60),
+    "yellow": (230, 210, 40),
+}
+
+
+class FastReachEnv(GoalEnv):
+    OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
+               "render_cost_ms": 0.0}
+
+    def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
+        super().__init__(cfg, device, seed)
+        unknown = set(cfg.options) - set(self.OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"env.options: unknown option(s) {sorted(unknown)} for fast_reach; "
+                f"allowed: {sorted(self.OPTIONS)}"
+            )
+        opts = {**self.OPTIONS, **cfg.options}
+        self.n_targets = int(opts["n_targets"])
+        if not 1 <= self.n_targets <= len(COLORS):
+            raise ConfigError(f"env.options.n_targets: must be in [1, {len(COLORS)}], got {self.n_targets}")
+        self.max_delta = float(opts["max_delta"])
+        self.privileged = bool(opts["privileged"])
+        self.success_threshold = float(opts["radius"])
+        self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
+        s = cfg.image_size
+        self.spec = EnvSpec(image_shape=(3, s, s), proprio_dim=4 if self.privileged else 2, action_dim=2)
+        lin = torch.linspace(-1.0, 1.0, s, device=self.device)
+        self._gy, self._gx = torch.meshgrid(lin, lin, indexing="ij")
+        self._colors = torch.tensor(list(COLORS.values()), dtype=torch.float32, device=self.device)
+        self._names = list(COLORS)
+        b = self.n_envs
+        self.pos = torch.zeros(b, 2, device=self.device)
+        self.targets = torch.zeros(b, self.n_targets, 2, device=self.device)
+        self.goal_idx = torch.zeros(b, dtype=torch.long, device=self.device)
+
+    def _reset_task(self, group_size: int) -> None:
+        g = self.n_envs // group_size
+        gen = self.generator
+        pos = torch.rand(g, 2, generator=gen) * 1.6 - 0.8
+        targets = torch.rand(g, self.n_targets, 2, generator=gen) * 1.6 - 0.8
+        goal = torch.randint(0, self.n_targets, (g,), generator=gen)
+        self.pos = self.group_repeat(pos, group_size).to(self.device)
+        self.targets = self.group_repeat(targets, group_size).to(self.device)
+        self.goal_idx = self.group_repeat(goal, group_size).to(self.device)
+
+    @property
+    def goal(self) -> Tensor:
+        return self.targets[torch.arange(self.n_envs, device=self.device), self.goal_idx]
+
+    def _apply(self, action: Tensor) -> None:
+        self.pos = (self.pos + self.max_delta * action).clamp(-1.0, 1.0)
+
+    def _distance(self) -> Tensor:
+        return (self.pos - self.goal).norm(dim=-1)
+
+    def _render(self) -> Tensor:
+        b, s = self.n_envs, self.cfg.image_size
+        img = torch.zeros(b, 3, s, s, device=self.device)
+        sigma2 = 2 * (0.06**2)
+
+        def blob(p: Tensor) -> Tensor:  # (B, 2) -> (B, 1, S, S)
+            d2 = (self._gx - p[:, 0, None, None]) ** 2 + (self._gy - p[:, 1, None, None]) ** 2
+            return torch.exp(-d2 / sigma2).unsqueeze(1)
+
+        for j in range(self.n_targets):
+            img += blob(self.targets[:, j]) * self._colors[j].view(1, 3, 1, 1)
+        img += blob(self.pos) * 255.0
+        if self.render_cost_s > 0:
+            end = time.perf_counter() + self.render_cost_s
+            while time.perf_counter() < end:
+                pass
+        return img.clamp_(0, 255).to(torch.uint8)
+
+    def _observe(self) -> Observation:
+        proprio = torch.cat([self.pos, self.goal], dim=-1) if self.privileged else self.pos.clone()
+        image = self._render() if self.cfg.render else torch.zeros(
+            self.n_envs, *self.spec.image_shape, dtype=torch.uint8, device=self.device
+        )
+        names = [self._names[i] for i in self.goal_idx.tolist()]
+        instruction = [f"move to the {n} target" for n in names]
+        return Observation(image=image, proprio=proprio, instruction=instruction)

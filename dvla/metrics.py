@@ -1,0 +1,67 @@
+"""Metrics: one JSON object per line in ``metrics.jsonl`` plus console progress.
+
+Every record carries ``iter``, ``time`` (seconds since the start of the run) and
+floats only, so the file loads directly with pandas (``pd.read_json(path, lines=True)``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str | os.PathLike, total: int, enabled: bool = True,
+                 progress: bool = True, filename: str = "metrics.jsonl"):
+        self.enabled = enabled
+        self.start = time.perf_counter()
+        self.path = Path(out_dir) / filename
+        self._fh = None
+        self._bar = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", buffering=1)
+        if progress:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc="dvla", unit="it", dynamic_ncols=True, file=sys.stderr)
+
+    def log(self, it: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        record = {"iter": it, "time": round(time.perf_counter() - self.start, 4)}
+        for k, v in metrics.items():
+            v = float(v)
+            record[k] = v if math.isfinite(v) else None
+        if not self.enabled:
+            return record
+        self._fh.write(json.dumps(record) + "\n")
+        summary = _short(record)
+        if self._bar is not None:
+            self._bar.set_postfix_str(summary, refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"[dvla] iter {it}: {summary}", flush=True)
+        return record
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._fh is not None:
+            self._fh.close()
+
+
+def _short(r: dict[str, Any]) -> str:
+    keys = [("env_steps_per_s", "steps/s", "{:.0f}"), ("success_rate", "success", "{:.2f}"),
+            ("return_mean", "return", "{:.3f}"), ("loss", "loss", "{:.4f}"), ("approx_kl", "kl", "{:.4f}"),
+            ("version", "v", "{:.0f}")]
+    return " ".join(f"{name}={fmt.format(r[k])}" for k, name, fmt in keys if r.get(k) is not None)
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    with open(path) as fh:
+        return [json.loads(line) for line in fh if line.strip()]

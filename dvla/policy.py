@@ -1,0 +1,212 @@
+"""The extension point: :class:`VLAPolicy`, the policy registry and the default tokenizer.
+
+A new Vision-Language-Action model is a subclass of :class:`VLAPolicy` that
+
+* declares ``Config``, a ``@dataclass(kw_only=True)`` of its own options (what
+  ``policy.options`` in the job config may set), and
+* implements :meth:`VLAPolicy.forward`, mapping a batched :class:`Observation` to a
+  :class:`PolicyOutput` (an action distribution and, optionally, a value estimate).
+
+Everything else (sampling with log-probs for rollouts, evaluating log-probs and
+entropy for learning, tokenising instructions) is provided here. Register the class
+with ``@register_policy("name")`` and select it with ``policy.name=name``.
+Mistakes are reported when the class is defined, not deep inside a training run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import zlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from dvla.config import ConfigError, from_dict, validate
+from dvla.distributions import ActionDistribution
+from dvla.types import Observation
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """What the environment promises the policy: observation and action shapes."""
+
+    image_shape: tuple[int, int, int]  # (C, H, W)
+    proprio_dim: int
+    action_dim: int
+    action_chunk: int = 1
+
+
+@dataclass
+class PolicyOutput:
+    dist: ActionDistribution
+    value: Tensor | None = None  # (B,)
+
+
+@dataclass
+class ActOutput:
+    actions: Tensor  # (B, K, D) in [-1, 1] (Gaussian samples may exceed it)
+    log_probs: Tensor  # (B,)
+    values: Tensor  # (B,) zeros when the policy has no value head
+
+
+@dataclass
+class EvalOutput:
+    log_probs: Tensor  # (B,)
+    entropy: Tensor  # (B,)
+    values: Tensor | None  # (B,)
+
+
+class HashTokenizer:
+    """Deterministic word-level tokenizer needing no vocabulary file or download.
+
+    Lower-cased words map to ``1 + crc32(word) % (vocab_size - 1)``; 0 is padding.
+    Collisions are possible but stable across processes and machines.
+    """
+
+    def __init__(self, vocab_size: int = 1024, max_len: int = 16):
+        if vocab_size < 2 or max_len < 1:
+            raise ValueError("HashTokenizer needs vocab_size >= 2 and max_len >= 1")
+        self.vocab_size = vocab_size
+        self.max_len = max_len
+        self._cache: dict[str, list[int]] = {}
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._cache.get(text)
+        if ids is None:
+            words = re.findall(r"[a-z0-9]+", text.lower())[: self.max_len]
+            ids = [1 + zlib.crc32(w.encode()) % (self.vocab_size - 1) for w in words]
+            self._cache[text] = ids
+        return ids
+
+    def __call__(self, texts: list[str]) -> Tensor:
+        out = torch.zeros(len(texts), self.max_len, dtype=torch.long)
+        for i, t in enumerate(texts):
+            ids = self.encode(t)
+            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out
+
+
+class VLAPolicy(nn.Module, ABC):
+    """Base class of every policy. Subclass, declare ``Config``, implement ``forward``.
+
+    Pass ``abstract=True`` in the class statement for intermediate base classes that
+    leave ``forward`` or ``Config`` to their own subclasses.
+    """
+
+    Config: ClassVar[type]
+    registry_name: ClassVar[str | None] = None
+    has_value_head: bool = False
+    """Set to True when ``forward`` returns a value estimate (PPO needs one)."""
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if abstract:
+            return
+        problems = []
+        cfg = getattr(cls, "Config", None)
+        if cfg is None or not (isinstance(cfg, type) and dataclasses.is_dataclass(cfg)):
+            problems.append("it must define `Config`, a @dataclass(kw_only=True) of its options")
+        if getattr(cls.forward, "__isabstractmethod__", False):
+            problems.append("it must implement `forward(self, obs) -> PolicyOutput`")
+        init = inspect.signature(cls.__init__)
+        if "spec" not in init.parameters or "config" not in init.parameters:
+            problems.append("its __init__ must accept `spec` (PolicySpec) and `config` (its Config)")
+        if problems:
+            raise TypeError(
+                f"VLAPolicy subclass {cls.__qualname__} is incomplete: " + "; ".join(problems)
+                + " (pass abstract=True in the class statement for an intermediate base)"
+            )
+
+    def __init__(self, spec: PolicySpec, config: Any):
+        super().__init__()
+        self.spec = spec
+        self.config = config
+        self.tokenizer: Callable[[list[str]], Tensor] = HashTokenizer()
+
+    # -- the one method a model must provide ---------------------------------------------
+    @abstractmethod
+    def forward(self, obs: Observation) -> PolicyOutput:
+        """Map a batch with ``instruction_ids`` filled to an action distribution
+        over chunks ``(B, K, D)`` and an optional value ``(B,)``."""
+
+    # -- provided --------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        p = next(self.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    def prepare(self, obs: Observation) -> Observation:
+        """Tokenise instructions (once) and move the batch to the policy's device."""
+        if obs.instruction_ids is None:
+            if obs.instruction is None:
+                raise ValueError("observation has neither instruction nor instruction_ids")
+            obs = dataclasses.replace(obs, instruction_ids=self.tokenizer(obs.instruction))
+        return obs.to(self.device)
+
+    @torch.no_grad()
+    def act(
+        self,
+        obs: Observation,
+        deterministic: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> ActOutput:
+        """Choose action chunks for a batch (rollout path): actions, their log-probs
+        under this policy and value estimates."""
+        out = self(self.prepare(obs))
+        actions = out.dist.mode() if deterministic else out.dist.sample(generator)
+        values = out.value if out.value is not None else torch.zeros(actions.shape[0], device=actions.device)
+        return ActOutput(actions=actions, log_probs=out.dist.log_prob(actions), values=values)
+
+    def evaluate(self, obs: Observation, actions: Tensor) -> EvalOutput:
+        """Log-probs and entropy of given actions, with gradients (learning path)."""
+        out = self(self.prepare(obs))
+        return EvalOutput(
+            log_probs=out.dist.log_prob(actions), entropy=out.dist.entropy(), values=out.value
+        )
+
+    @torch.no_grad()
+    def value(self, obs: Observation) -> Tensor:
+        out = self(self.prepare(obs))
+        if out.value is None:
+            return torch.zeros(obs.batch_size, device=self.device)
+        return out.value
+
+
+POLICY_REGISTRY: dict[str, type[VLAPolicy]] = {}
+
+
+def register_policy(name: str) -> Callable[[type[VLAPolicy]], type[VLAPolicy]]:
+    """Class decorator adding a :class:`VLAPolicy` subclass to the registry under ``name``."""
+
+    def deco(cls: type[VLAPolicy]) -> type[VLAPolicy]:
+        if not (isinstance(cls, type) and issubclass(cls, VLAPolicy)):
+            raise TypeError(f"@register_policy({name!r}) must decorate a VLAPolicy subclass, got {cls!r}")
+        if name in POLICY_REGISTRY and POLICY_REGISTRY[name] is not cls:
+            other = POLICY_REGISTRY[name]
+            raise ValueError(
+                f"policy name {name!r} is already registered by {other.__module__}.{other.__qualname__}"
+            )
+        POLICY_REGISTRY[name] = cls
+        cls.registry_name = name
+        return cls
+
+    return deco
+
+
+def build_policy(name: str, spec: PolicySpec, options: dict[str, Any] | None = None) -> VLAPolicy:
+    """Instantiate the registered policy ``name`` with ``options`` checked against its Config."""
+    import dvla.models  # noqa: F401  (registers the built-in policies)
+
+    if name not in POLICY_REGISTRY:
+        raise ConfigError(
+            f"policy.name: unknown policy {name!r}; registered: {', '.join(sorted(POLICY_REGISTRY))}"
+        )
+    cls = POLICY_REGISTRY[name]
+    cfg = from_dict(cls.Config, dict(options or {}), path="policy.options.")
+    validate(cfg, path="policy.options.")
+    return cls(spec=spec, config=cfg)

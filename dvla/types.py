@@ -1,0 +1,118 @@
+"""Data types that travel between environments, policies and learners.
+
+Shapes use ``B`` for the batch of environments, ``T`` for decisions in time, ``K`` for
+the action chunk and ``D`` for action dimensions. Everything is a plain tensor (or a
+list of strings for instructions) so that a batch can be flattened to a dict of
+tensors and sent over the data plane without pickling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Observation:
+    """One batched observation.
+
+    image: ``(B, C, H, W)`` uint8 camera RGB.
+    proprio: ``(B, P)`` float32 proprioceptive state (joint positions, gripper, ...).
+    instruction: ``B`` natural-language instructions.
+    instruction_ids: ``(B, L)`` int64 token ids; filled by ``VLAPolicy.prepare``.
+    """
+
+    image: Tensor
+    proprio: Tensor
+    instruction: list[str] | None = None
+    instruction_ids: Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.proprio.shape[0]
+
+    def to(self, device: torch.device | str) -> "Observation":
+        return Observation(
+            image=self.image.to(device, non_blocking=True),
+            proprio=self.proprio.to(device, non_blocking=True),
+            instruction=self.instruction,
+            instruction_ids=None
+            if self.instruction_ids is None
+            else self.instruction_ids.to(device, non_blocking=True),
+        )
+
+    def index(self, idx: Tensor | slice) -> "Observation":
+        """Select a subset of the batch (ids must already be filled)."""
+        return Observation(
+            image=self.image[idx],
+            proprio=self.proprio[idx],
+            instruction=None,
+            instruction_ids=None if self.instruction_ids is None else self.instruction_ids[idx],
+        )
+
+
+@dataclass
+class StepResult:
+    """What ``BatchedEnv.step`` returns. ``obs`` is the observation after the step."""
+
+    obs: Observation
+    reward: Tensor  # (B,) float32
+    terminated: Tensor  # (B,) bool: success or failure, no bootstrap
+    truncated: Tensor  # (B,) bool: time limit, bootstrap from value
+    success: Tensor  # (B,) bool
+
+
+@dataclass
+class RolloutBatch:
+    """A batch of episodes collected by one policy replica, time-major.
+
+    Every step records the ``policy_version`` of the weights that chose its action, so
+    a learner can measure (and correct for) staleness. ``valid`` masks the steps
+    after an episode ended (episodes of one batch start together and are padded to
+    ``T`` decisions, which is what GRPO's groups need).
+    """
+
+    image: Tensor  # (T, B, C, H, W) uint8
+    proprio: Tensor  # (T, B, P) float32
+    instruction_ids: Tensor  # (B, L) int64, constant within an episode
+    actions: Tensor  # (T, B, K, D) float32
+    log_probs: Tensor  # (T, B) float32, behaviour policy
+    values: Tensor  # (T + 1, B) float32 (zeros if the policy has no value head)
+    rewards: Tensor  # (T, B) float32
+    terminated: Tensor  # (T, B) bool
+    truncated: Tensor  # (T, B) bool
+    valid: Tensor  # (T, B) bool
+    policy_version: Tensor  # (T, B) int64
+    success: Tensor  # (B,) bool, episode reached the goal
+    group_ids: Tensor  # (B,) int64, episodes with equal ids share an initial state
+
+    @property
+    def num_steps(self) -> int:
+        return self.rewards.shape[0]
+
+    @property
+    def num_envs(self) -> int:
+        return self.rewards.shape[1]
+
+    def episode_returns(self) -> Tensor:
+        return (self.rewards * self.valid).sum(0)
+
+    def to_dict(self) -> dict[str, Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Tensor]) -> "RolloutBatch":
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = names - data.keys()
+        extra = data.keys() - names
+        if missing or extra:
+            raise ValueError(
+                f"RolloutBatch fields mismatch: missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
+        return cls(**data)
+
+    def to(self, device: torch.device | str) -> "RolloutBatch":
+        return RolloutBatch(**{k: v.to(device) for k, v in self.to_dict().items()})

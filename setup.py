@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="dvla",
+    version="0.1.0",
+    description="Distributed asynchronous reinforcement learning for Vision-Language-Action policies",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["dvla", "dvla.*", "planes", "planes.*", "swimlane", "swimlane.*",
+                                    "memory", "memory.*", "launch", "launch.*"]),
+    install_requires=[
+        # A CPU wheel of this exact version lies on local disk here; a looser spec
+        # would download a multi-GB CUDA build. genesis-world does not declare torch.
+        "torch==2.13.0",
+        "genesis-world==1.4.5",
+        "pyzmq>=25",
+        "msgpack>=1.0",
+        "safetensors>=0.4",
+        "uvloop>=0.19",
+        "numpy>=1.26",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "gymnasium>=1.0",
+    ],
+    extras_require={
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6"],
+    },
+    entry_points={"console_scripts": ["dvla-train=dvla.launch:main"]},
+)

@@ -1,0 +1,85 @@
+import pytest
+
+from dvla.config import ConfigError, JobConfig, apply_overrides, load_yaml, parse_override
+from dvla.launch import parse_config
+from dvla.policy import PolicySpec, build_policy
+from dvla.presets import PRESETS, get_preset
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_are_valid(name):
+    get_preset(name).validate()
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="unknown preset 'nope'.*debug"):
+        get_preset("nope")
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("env.n_envs=0", "env.n_envs"),
+        ("algo.clip_eps=1.5", "algo.clip_eps"),
+        ("algo.name=a2c", "algo.name"),
+        ("run.device=tpu", "run.device"),
+        ("env.n_envs=many", "env.n_envs"),
+        ("algo.lr=-1", "algo.lr"),
+        ("env.n_envs=10", "env.n_envs"),  # not a multiple of the GRPO group size (4)
+    ],
+)
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=rf"{field}"):
+        apply_overrides(get_preset("debug"), [override]).validate()
+
+
+def test_error_lists_allowed_values():
+    with pytest.raises(ConfigError, match="one of 'grpo', 'ppo'"):
+        apply_overrides(get_preset("debug"), ["algo.name=a2c"]).validate()
+
+
+def test_unknown_field_lists_allowed():
+    with pytest.raises(ConfigError, match=r"env\.n_env: unknown field; allowed: .*n_envs"):
+        apply_overrides(JobConfig(), ["env.n_env=3"])
+
+
+def test_override_parsing_types():
+    assert parse_override("--algo.lr=1e-3") == {"algo": {"lr": 1e-3}}
+    assert parse_override("env.render=false") == {"env": {"render": False}}
+    assert parse_override("env.options.gym_id=CartPole-v1") == {"env": {"options": {"gym_id": "CartPole-v1"}}}
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("env.n_envs")
+
+
+def test_overrides_merge_options():
+    cfg = apply_overrides(get_preset("debug"), ["policy.options.hidden_dim=48"])
+    assert cfg.policy.options["hidden_dim"] == 48
+    assert cfg.policy.options["n_bins"] == 21  # the rest of the preset's options stay
+
+
+def test_yaml_then_cli(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("env:\n  n_envs: 16\nalgo:\n  lr: 0.01\n")
+    cfg = load_yaml(get_preset("debug"), path)
+    assert cfg.env.n_envs == 16 and cfg.algo.lr == 0.01
+    _, cfg = parse_config(["--preset", "debug", "--config", str(path), "algo.lr=0.002"])
+    assert cfg.algo.lr == 0.002 and cfg.env.n_envs == 16
+
+
+def test_yaml_unknown_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("enviroment:\n  n_envs: 16\n")
+    with pytest.raises(ConfigError, match="enviroment: unknown field"):
+        load_yaml(JobConfig(), path)
+
+
+def test_policy_options_are_checked():
+    spec = PolicySpec(image_shape=(3, 16, 16), proprio_dim=2, action_dim=2)
+    with pytest.raises(ConfigError, match=r"policy\.options\.hiden_dim: unknown field"):
+        build_policy("tiny_vla", spec, {"hiden_dim": 8})
+    with pytest.raises(ConfigError, match=r"policy\.options\.n_bins: must be >= 2"):
+        build_policy("tiny_vla", spec, {"n_bins": 1})
+    with pytest.raises(ConfigError, match=r"policy\.options\.head: expected one of"):
+        build_policy("tiny_vla", spec, {"head": "mixture"})
+    with pytest.raises(ConfigError, match="unknown policy 'gpt'"):
+        build_policy("gpt", spec)

@@ -1,0 +1,142 @@
+"""Contract test run over every registered policy, plus the extension rules."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import nn
+
+from dvla.distributions import GaussianActionDistribution
+from dvla.policy import (
+    POLICY_REGISTRY,
+    HashTokenizer,
+    PolicyOutput,
+    PolicySpec,
+    VLAPolicy,
+    build_policy,
+    register_policy,
+)
+from dvla.types import Observation
+import dvla.models  # noqa: F401
+
+SPEC = PolicySpec(image_shape=(3, 24, 24), proprio_dim=5, action_dim=3, action_chunk=2)
+# Every registered policy, plus option sets that exercise its heads.
+CASES = [(name, {}) for name in sorted(POLICY_REGISTRY)] + [
+    ("tiny_vla", {"head": "gaussian", "value_head": False, "hidden_dim": 16}),
+    ("tiny_vla", {"n_bins": 7, "hidden_dim": 16}),
+]
+
+
+def make_obs(b=4, spec=SPEC):
+    g = torch.Generator().manual_seed(1)
+    return Observation(
+        image=torch.randint(0, 256, (b, *spec.image_shape), dtype=torch.uint8, generator=g),
+        proprio=torch.randn(b, spec.proprio_dim, generator=g),
+        instruction=["pick up the red cube", "reach the blue target", "lift it", "pick up the red cube"][:b],
+    )
+
+
+@pytest.mark.parametrize("name, options", CASES)
+def test_policy_contract(name, options):
+    torch.manual_seed(0)
+    policy = build_policy(name, SPEC, options)
+    obs = make_obs()
+    out = policy.act(obs, generator=torch.Generator().manual_seed(3))
+    assert out.actions.shape == (4, SPEC.action_chunk, SPEC.action_dim)
+    assert out.log_probs.shape == (4,) and torch.isfinite(out.log_probs).all()
+    assert out.values.shape == (4,)
+    # Sampling is reproducible under a seeded generator.
+    again = policy.act(obs, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(out.actions, again.actions)
+    # evaluate() gives the same log-probs for the sampled actions, with gradients.
+    ev = policy.evaluate(obs, out.actions)
+    torch.testing.assert_close(ev.log_probs, out.log_probs, rtol=1e-5, atol=1e-5)
+    assert ev.entropy.shape == (4,) and (ev.entropy > -1e3).all()
+    (-(ev.log_probs.mean()) - ev.entropy.mean()).backward()
+    grads = [p.grad for p in policy.parameters() if p.requires_grad]
+    assert any(g is not None and g.abs().sum() > 0 for g in grads)
+    if policy.has_value_head:
+        assert ev.values.shape == (4,)
+    # Deterministic actions are the distribution's mode and stay in range.
+    det = policy.act(obs, deterministic=True)
+    assert det.actions.abs().max() <= 1.0 + 1e-6
+    # Instruction ids were produced by the policy's tokenizer; batch of one works too.
+    assert policy.act(make_obs(1)).actions.shape == (1, SPEC.action_chunk, SPEC.action_dim)
+
+
+def test_language_changes_the_action_distribution():
+    torch.manual_seed(0)
+    policy = build_policy("tiny_vla", SPEC, {"hidden_dim": 16})
+    for p in policy.parameters():  # make every path matter
+        nn.init.normal_(p, std=0.3)
+    obs = make_obs(2)
+    a = policy.evaluate(obs, torch.zeros(2, 2, 3)).log_probs
+    obs.instruction = ["something else entirely", "completely different words"]
+    b = policy.evaluate(obs, torch.zeros(2, 2, 3)).log_probs
+    assert not torch.allclose(a, b)
+
+
+def test_tokenizer_is_deterministic():
+    tok = HashTokenizer(vocab_size=100, max_len=4)
+    ids = tok(["Pick up the RED cube!", "pick up the red cube", ""])
+    assert ids.shape == (3, 4)
+    assert torch.equal(ids[0], ids[1]) and ids[2].sum() == 0
+    assert (ids[0] > 0).all() and (ids[0] < 100).all()
+
+
+class _Minimal(VLAPolicy, abstract=True):
+    """Intermediate base: allowed to leave Config/forward undefined."""
+
+
+def test_incomplete_subclass_fails_at_definition():
+    with pytest.raises(TypeError, match="must define `Config`"):
+
+        class NoConfig(VLAPolicy):
+            def forward(self, obs):
+                raise NotImplementedError
+
+    with pytest.raises(TypeError, match="must implement `forward"):
+
+        class NoForward(VLAPolicy):
+            @dataclass(kw_only=True)
+            class Config:
+                pass
+
+    with pytest.raises(TypeError, match="accept `spec`"):
+
+        class BadInit(VLAPolicy):
+            @dataclass(kw_only=True)
+            class Config:
+                pass
+
+            def __init__(self, size):
+                pass
+
+            def forward(self, obs):
+                raise NotImplementedError
+
+
+def test_custom_policy_registers_and_builds():
+    @register_policy("test_linear")
+    class Linear(VLAPolicy):
+        @dataclass(kw_only=True)
+        class Config:
+            scale: float = 1.0
+
+        def __init__(self, spec, config):
+            super().__init__(spec, config)
+            self.lin = nn.Linear(spec.proprio_dim, spec.action_chunk * spec.action_dim)
+            self.log_std = nn.Parameter(torch.zeros(1, spec.action_chunk, spec.action_dim))
+
+        def forward(self, obs):
+            mean = self.lin(obs.proprio).view(-1, self.spec.action_chunk, self.spec.action_dim)
+            return PolicyOutput(dist=GaussianActionDistribution(mean * self.config.scale, self.log_std))
+
+    try:
+        policy = build_policy("test_linear", SPEC, {"scale": 0.5})
+        assert policy.config.scale == 0.5
+        assert policy.act(make_obs()).actions.shape == (4, 2, 3)
+        with pytest.raises(ValueError, match="already registered"):
+            register_policy("test_linear")(type("Other", (Linear,), {}))
+    finally:
+        POLICY_REGISTRY.pop("test_linear", None)
