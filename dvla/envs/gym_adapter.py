@@ -84,8 +84,8 @@ class GymVectorEnv(BatchedEnv):
         elif isinstance(act, gym.spaces.Box):
             self._discrete = 0
             adim = int(np.prod(act.shape))
-            self._low = torch.as_tensor(np.broadcast_to(act.low, act.shape).reshape(-1), dtype=torch.float32)
-            self._high = torch.as_tensor(np.broadcast_to(act.high, act.shape).reshape(-1), dtype=torch.float32)
+            self._low = torch.tensor(np.broadcast_to(act.low, act.shape).reshape(-1), dtype=torch.float32)
+            self._high = torch.tensor(np.broadcast_to(act.high, act.shape).reshape(-1), dtype=torch.float32)
             self._act_shape = act.shape
         else:
             raise ConfigError(f"env.options.gym_id: unsupported action space {act}")

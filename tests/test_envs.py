@@ -1,0 +1,99 @@
+"""Reset/step semantics of the batched env interface on the pure-torch env and the gym adapter."""
+
+import pytest
+import torch
+
+from dvla.config import ConfigError, EnvConfig
+from dvla.envs import make_env
+
+
+def fast(n=8, **kw):
+    opts = kw.pop("options", {})
+    return make_env(EnvConfig(name="fast_reach", n_envs=n, image_size=32, options=opts, **kw), seed=3)
+
+
+def test_spec_and_observation():
+    env = fast(options={"n_targets": 2})
+    obs = env.reset()
+    assert env.spec.image_shape == (3, 32, 32) and env.spec.action_dim == 2
+    assert obs.image.shape == (8, 3, 32, 32) and obs.image.dtype == torch.uint8
+    assert obs.proprio.shape == (8, 2)
+    assert len(obs.instruction) == 8 and all(s.startswith("move to the") for s in obs.instruction)
+    assert obs.image.float().std() > 0  # something is drawn
+
+
+def test_groups_share_initial_state():
+    env = fast(n=8)
+    env.reset(group_size=4)
+    assert torch.equal(env.pos[0], env.pos[3]) and torch.equal(env.targets[0], env.targets[3])
+    assert not torch.equal(env.pos[0], env.pos[4])
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        env.reset(group_size=3)
+
+
+def test_success_terminates_and_latches():
+    env = fast(n=2, success_reward=1.0)
+    env.reset()
+    # Steer env 0 straight at its goal; env 1 stands still.
+    for _ in range(30):
+        direction = (env.goal - env.pos) / env.max_delta
+        act = torch.stack([direction[0].clamp(-1, 1), torch.zeros(2)])
+        res = env.step(act)
+        if res.terminated[0]:
+            break
+    assert res.terminated[0] and res.success[0] and res.reward[0] == 1.0
+    assert not res.terminated[1] and res.reward[1] == 0.0
+    # Once done, an env reports no reward and stays done.
+    res = env.step(torch.zeros(2, 2))
+    assert res.reward[0] == 0.0 and env.done[0] and not res.terminated[0]
+
+
+def test_shaping_rewards_progress_and_chunks_execute_in_order():
+    env = fast(n=1, reward_shaping=2.0, options={"radius": 0.01})
+    env.reset()
+    start = env._distance().clone()
+    direction = ((env.goal - env.pos) / start.unsqueeze(-1)).clamp(-1, 1) * 0.1
+    res = env.step(torch.stack([direction, direction, direction], dim=1))  # chunk of K=3
+    progress = start - env._distance()
+    assert progress.item() > 0
+    assert res.reward.item() == pytest.approx(2.0 * progress.item(), rel=1e-5)
+
+
+def test_bad_actions_and_options():
+    env = fast(n=2)
+    env.reset()
+    with pytest.raises(ValueError, match="actions must be"):
+        env.step(torch.zeros(3, 2))
+    with pytest.raises(ConfigError, match="unknown option"):
+        fast(options={"n_target": 2})
+    with pytest.raises(ConfigError, match="unknown env 'mujoco'"):
+        make_env(EnvConfig(name="mujoco"))
+
+
+def test_render_off_gives_zero_images():
+    env = fast(render=False)
+    assert env.reset().image.sum() == 0
+
+
+def test_gym_adapter_continuous_and_grouped_seeds():
+    env = make_env(EnvConfig(name="gym", n_envs=4, options={"gym_id": "Pendulum-v1"}), seed=1)
+    assert env.spec.proprio_dim == 3 and env.spec.action_dim == 1
+    obs = env.reset(group_size=2)
+    assert torch.equal(obs.proprio[0], obs.proprio[1]) and not torch.equal(obs.proprio[0], obs.proprio[2])
+    assert obs.instruction[0] == "solve Pendulum-v1"
+    res = env.step(torch.ones(4, 2, 1))  # a chunk of two max-torque actions
+    assert res.reward.shape == (4,) and (res.reward < 0).all()
+    env.close()
+
+
+def test_gym_adapter_discrete_episode_end():
+    env = make_env(EnvConfig(name="gym", n_envs=2, options={"gym_id": "CartPole-v1"}), seed=0)
+    assert env.spec.action_dim == 1
+    env.reset()
+    for _ in range(100):  # always push left: the pole falls within a few dozen steps
+        res = env.step(-torch.ones(2, 1))
+        if env.done.all():
+            break
+    assert env.done.all() and res.terminated.any()
+    with pytest.raises(ConfigError, match="gym_id: required"):
+        make_env(EnvConfig(name="gym", n_envs=2))
