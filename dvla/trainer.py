@@ -109,6 +109,12 @@ class SyncTrainer:
             times=times,
         )
 
+    def evaluate(self, batches: int = 4) -> dict[str, float]:
+        """Success rate and return of the current policy over ``batches`` fresh batches of
+        episodes (sampled actions, no learning, own random stream)."""
+        stats = [episode_stats(self.collect(RolloutTimes())) for _ in range(batches)]
+        return {k: sum(s[k] for s in stats) / batches for k in stats[0]}
+
     def _global_episode_stats(self, batch: RolloutBatch) -> dict[str, float]:
         stats = episode_stats(batch)
         if self.world_size > 1:
@@ -142,6 +148,7 @@ class SyncTrainer:
                 total_steps += steps
                 m = {
                     "version": self.version,
+                    "world_size": self.world_size,
                     "env_steps": total_steps,
                     "env_steps_per_s": steps / (t2 - t0),
                     "rollout_s": t1 - t0,
