@@ -1,0 +1,216 @@
+"""Franka Panda tasks in genesis-world: ``genesis_reach`` and ``genesis_lift``.
+
+Scene: ground plane, a Franka Panda (``xml/franka_emika_panda/panda.xml``, shipped with
+genesis), and a task object (a red target sphere that does not collide, or a red
+cube). ``n_envs`` copies are simulated as one batch.
+
+Action (D=4, in [-1, 1]): end-effector translation ``dx, dy, dz`` (scaled by
+``options.max_delta`` metres per control step, gripper pointing down, solved with
+batched inverse kinematics) and the gripper command (> 0 closes).
+Proprio: 9 joint positions + fingertip position (12).
+Camera: one RGB camera per env (``VisOptions(split_envs=True)``), rendered on the CPU
+through EGL (set ``PYOPENGL_PLATFORM=egl`` on machines without a display); a render
+costs ~15-20 ms per env at 64x64, far more than physics, which is exactly the load the
+swimlane overlaps with model work. ``render=false`` skips the camera.
+
+genesis compiles its kernels on the first ``scene.build`` (~100 s, cached under
+``$XDG_CACHE_HOME/quadrants``; later builds ~8 s). The cache key includes the
+``gs.init`` seed and ``QD_NUM_THREADS``, so we never pass the job seed to ``gs.init``
+(randomness comes from torch generators) and leave ``QD_NUM_THREADS`` alone.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dvla.config import ConfigError, EnvConfig
+from dvla.envs.base import EnvSpec, GoalEnv
+from dvla.types import Observation
+
+HOME_Q = (0.0, -0.785, 0.0, -2.356, 0.0, 1.571, 0.785, 0.04, 0.04)
+KP = (4500, 4500, 3500, 3500, 2000, 2000, 2000, 100, 100)
+KV = (450, 450, 350, 350, 200, 200, 200, 10, 10)
+DOWN_QUAT = (0.0, 1.0, 0.0, 0.0)  # wxyz: gripper pointing at the table
+TIP_OFFSET = 0.105  # metres from the hand link origin down to the fingertip centre
+
+_init_lock = threading.Lock()
+_backend: str | None = None
+
+
+def ensure_genesis(device: torch.device) -> None:
+    """Initialise genesis once per process, on the backend matching ``device``."""
+    global _backend
+    import genesis as gs
+
+    want = "gpu" if device.type == "cuda" else "cpu"
+    with _init_lock:
+        if _backend is None:
+            gs.init(
+                backend=gs.gpu if want == "gpu" else gs.cpu,
+                logging_level="warning",
+                precision="32",
+                performance_mode=False,
+            )
+            _backend = want
+        elif _backend != want:
+            raise RuntimeError(
+                f"genesis is already initialised on {_backend} in this process; cannot use {want}"
+            )
+
+
+class GenesisFrankaEnv(GoalEnv):
+    """Common scene and control for the Franka tasks."""
+
+    OPTIONS = {"max_delta": 0.03, "substeps_per_action": 4, "dt": 0.01, "privileged": False}
+    task_object = "sphere"
+
+    def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
+        super().__init__(cfg, device, seed)
+        unknown = set(cfg.options) - set(self.OPTIONS)
+        if unknown:
+            raise ConfigError(
+                f"env.options: unknown option(s) {sorted(unknown)} for {cfg.name}; allowed: {sorted(self.OPTIONS)}"
+            )
+        opts = {**self.OPTIONS, **cfg.options}
+        self.max_delta = float(opts["max_delta"])
+        self.substeps = int(opts["substeps_per_action"])
+        if self.substeps < 1:
+            raise ConfigError(f"env.options.substeps_per_action: must be >= 1, got {self.substeps}")
+        self.privileged = bool(opts["privileged"])
+        ensure_genesis(self.device)
+        import genesis as gs
+
+        vis = gs.options.VisOptions(split_envs=True, shadow=False)
+        self.scene = gs.Scene(
+            sim_options=gs.options.SimOptions(dt=float(opts["dt"]), substeps=2),
+            vis_options=vis,
+            show_viewer=False,
+        )
+        self.scene.add_entity(gs.morphs.Plane())
+        self.robot = self.scene.add_entity(gs.morphs.MJCF(file="xml/franka_emika_panda/panda.xml"))
+        red = gs.surfaces.Default(color=(0.9, 0.1, 0.1))
+        if self.task_object == "sphere":
+            self.obj = self.scene.add_entity(
+                gs.morphs.Sphere(radius=0.03, pos=(0.55, 0.0, 0.3), fixed=True, collision=False), surface=red
+            )
+        else:
+            self.obj = self.scene.add_entity(
+                gs.morphs.Box(size=(0.04, 0.04, 0.04), pos=(0.6, 0.0, 0.02)), surface=red
+            )
+        s = cfg.image_size
+        self.camera = None
+        if cfg.render:
+            self.camera = self.scene.add_camera(
+                res=(s, s), pos=(1.25, 0.0, 0.75), lookat=(0.45, 0.0, 0.15), fov=45, GUI=False
+            )
+        self.scene.build(n_envs=self.n_envs)
+        self.hand = self.robot.get_link("hand")
+        self.robot.set_dofs_kp(torch.tensor(KP, dtype=torch.float32))
+        self.robot.set_dofs_kv(torch.tensor(KV, dtype=torch.float32))
+        self._home = torch.tensor(HOME_Q, dtype=torch.float32, device=self.device)
+        self._down = torch.tensor(DOWN_QUAT, dtype=torch.float32, device=self.device).repeat(self.n_envs, 1)
+        self._tip = torch.tensor([0.0, 0.0, TIP_OFFSET], device=self.device)
+        pdim = 12 + (3 if self.privileged else 0)
+        self.spec = EnvSpec(image_shape=(3, s, s), proprio_dim=pdim, action_dim=4)
+        self.goal = torch.zeros(self.n_envs, 3, device=self.device)
+        self.ee_target = torch.zeros(self.n_envs, 3, device=self.device)
+
+    # -- task-specific ------------------------------------------------------------------
+    def _sample_goal(self, g: int) -> Tensor:
+        raise NotImplementedError
+
+    def _place_object(self) -> None:
+        raise NotImplementedError
+
+    # -- GoalEnv hooks ----------------------------------------------------------------------
+    def _reset_task(self, group_size: int) -> None:
+        g = self.n_envs // group_size
+        self.goal = self.group_repeat(self._sample_goal(g), group_size).to(self.device)
+        q = self._home.repeat(self.n_envs, 1)
+        self.robot.set_dofs_position(q, zero_velocity=True)
+        self.robot.control_dofs_position(q)
+        self._place_object()
+        self.ee_target = self.tip_pos()
+        self._gripper = torch.full((self.n_envs,), 0.04, device=self.device)
+
+    def _apply(self, action: Tensor) -> None:
+        lo = torch.tensor([0.25, -0.45, 0.005], device=self.device)
+        hi = torch.tensor([0.85, 0.45, 0.6], device=self.device)
+        self.ee_target = torch.maximum(torch.minimum(self.ee_target + self.max_delta * action[:, :3], hi), lo)
+        hand_target = self.ee_target + self._tip
+        q = self.robot.inverse_kinematics(link=self.hand, pos=hand_target, quat=self._down)
+        q = q.to(self.device).clone()
+        self._gripper = torch.where(action[:, 3] > 0, 0.0, 0.04)
+        q[:, 7:] = self._gripper.unsqueeze(-1)
+        self.robot.control_dofs_position(q)
+        for _ in range(self.substeps):
+            self.scene.step()
+
+    def tip_pos(self) -> Tensor:
+        """Fingertip centre ``(B, 3)``, assuming the gripper points down."""
+        return self.hand.get_pos().to(self.device) - self._tip
+
+    def _observe(self) -> Observation:
+        qpos = self.robot.get_dofs_position().to(self.device)
+        parts = [qpos, self.tip_pos()] + ([self.goal] if self.privileged else [])
+        if self.camera is not None:
+            rgb = np.asarray(self.camera.render(rgb=True)[0])
+            if rgb.ndim == 3:
+                rgb = rgb[None]
+            image = torch.from_numpy(np.ascontiguousarray(rgb)).permute(0, 3, 1, 2).to(self.device)
+        else:
+            image = torch.zeros(self.n_envs, *self.spec.image_shape, dtype=torch.uint8, device=self.device)
+        return Observation(
+            image=image, proprio=torch.cat(parts, dim=-1).float(), instruction=[self.instruction] * self.n_envs
+        )
+
+
+class GenesisReachEnv(GenesisFrankaEnv):
+    """Move the gripper to a red sphere; success within 5 cm."""
+
+    task_object = "sphere"
+    instruction = "move the gripper to the red ball"
+    success_threshold = 0.05
+
+    def _sample_goal(self, g: int) -> Tensor:
+        lo = torch.tensor([0.4, -0.2, 0.1])
+        hi = torch.tensor([0.65, 0.2, 0.35])
+        return lo + torch.rand(g, 3, generator=self.generator) * (hi - lo)
+
+    def _place_object(self) -> None:
+        self.obj.set_pos(self.goal)
+
+    def _distance(self) -> Tensor:
+        return (self.tip_pos() - self.goal).norm(dim=-1)
+
+
+class GenesisLiftEnv(GenesisFrankaEnv):
+    """Pick up a red cube and lift it 10 cm; shaping follows gripper-to-cube distance
+    plus the remaining lift height."""
+
+    task_object = "cube"
+    instruction = "pick up the red cube and lift it"
+    lift_height = 0.10
+    success_threshold = 1e-6  # distance is exactly 0 once the cube is high enough
+
+    def _sample_goal(self, g: int) -> Tensor:
+        xy = torch.tensor([0.5, -0.15]) + torch.rand(g, 2, generator=self.generator) * torch.tensor([0.2, 0.3])
+        return torch.cat([xy, torch.full((g, 1), 0.02)], dim=-1)
+
+    def _place_object(self) -> None:
+        self.obj.set_pos(self.goal)
+        quat = torch.tensor([[1.0, 0.0, 0.0, 0.0]], device=self.device).repeat(self.n_envs, 1)
+        self.obj.set_quat(quat)
+        self.obj.zero_all_dofs_velocity()
+
+    def _distance(self) -> Tensor:
+        cube = self.obj.get_pos().to(self.device)
+        height = cube[:, 2] - self.goal[:, 2]
+        remaining = (self.lift_height - height).clamp(min=0.0)
+        if_lifted = remaining <= 0
+        reach = (self.tip_pos() - cube).norm(dim=-1)
+        return torch.where(if_lifted, torch.zeros_like(reach), reach + 2.0 * remaining)
