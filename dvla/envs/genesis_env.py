@@ -9,7 +9,7 @@ Action (D=4, in [-1, 1]): end-effector translation ``dx, dy, dz`` (scaled by
 batched inverse kinematics) and the gripper command (> 0 closes).
 Proprio: 9 joint positions + fingertip position (12).
 Camera: one RGB camera per env (``VisOptions(split_envs=True)``), rendered on the CPU
-through EGL (set ``PYOPENGL_PLATFORM=egl`` on machines without a display); a render
+through EGL (``PYOPENGL_PLATFORM=egl`` is set when there is no ``DISPLAY``); a render
 costs ~15-20 ms per env at 64x64, far more than physics, which is exactly the load the
 swimlane overlaps with model work. ``render=false`` skips the camera.
 
@@ -21,6 +21,7 @@ genesis compiles its kernels on the first ``scene.build`` (~100 s, cached under
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -44,9 +45,11 @@ _backend: str | None = None
 def ensure_genesis(device: torch.device) -> None:
     """Initialise genesis once per process, on the backend matching ``device``."""
     global _backend
+    want = "gpu" if device.type == "cuda" else "cpu"
+    if not os.environ.get("DISPLAY"):
+        os.environ.setdefault("PYOPENGL_PLATFORM", "egl")  # headless camera rendering
     import genesis as gs
 
-    want = "gpu" if device.type == "cuda" else "cpu"
     with _init_lock:
         if _backend is None:
             gs.init(
