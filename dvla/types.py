@@ -44,15 +44,6 @@ class Observation:
             else self.instruction_ids.to(device, non_blocking=True),
         )
 
-    def index(self, idx: Tensor | slice) -> "Observation":
-        """Select a subset of the batch (ids must already be filled)."""
-        return Observation(
-            image=self.image[idx],
-            proprio=self.proprio[idx],
-            instruction=None,
-            instruction_ids=None if self.instruction_ids is None else self.instruction_ids[idx],
-        )
-
 
 @dataclass
 class StepResult:
@@ -102,17 +93,6 @@ class RolloutBatch:
 
     def to_dict(self) -> dict[str, Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Tensor]) -> "RolloutBatch":
-        names = {f.name for f in dataclasses.fields(cls)}
-        missing = names - data.keys()
-        extra = data.keys() - names
-        if missing or extra:
-            raise ValueError(
-                f"RolloutBatch fields mismatch: missing {sorted(missing)}, unexpected {sorted(extra)}"
-            )
-        return cls(**data)
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
         return RolloutBatch(**{k: v.to(device) for k, v in self.to_dict().items()})

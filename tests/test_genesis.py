@@ -32,8 +32,8 @@ def lift_env():
 
 
 def scripted(env, gain=1.0, grip=-1.0):
-    """Move the fingertips straight at the goal."""
-    d = (env.goal - env.tip_pos()) / env.max_delta * gain
+    """Move the commanded fingertip position straight to the goal."""
+    d = (env.goal - env.ee_target) / env.max_delta * gain
     return torch.cat([d.clamp(-1, 1), torch.full((env.n_envs, 1), grip)], dim=-1)
 
 

@@ -68,7 +68,7 @@ def ensure_genesis(device: torch.device) -> None:
 class GenesisFrankaEnv(GoalEnv):
     """Common scene and control for the Franka tasks."""
 
-    OPTIONS = {"max_delta": 0.03, "substeps_per_action": 4, "dt": 0.01, "privileged": False}
+    OPTIONS = {"max_delta": 0.05, "substeps_per_action": 4, "dt": 0.01, "privileged": False}
     task_object = "sphere"
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
