@@ -1,0 +1,143 @@
+"""Wire format of the data plane: a msgpack envelope plus one raw frame per tensor.
+
+A message is a list of ZeroMQ frames::
+
+    frame 0    msgpack map {"v": PROTOCOL_VERSION, "kind": str, "meta": map,
+                            "tensors": [[name, dtype, shape, nbytes], ...]}
+    frame 1..N the bytes of each tensor, in the order listed, C-contiguous
+
+Encoding does not copy tensor memory: each frame is a ``memoryview`` over the tensor's
+own storage (the caller keeps the tensors alive until ZeroMQ has sent them; the socket
+layer holds them for the lifetime of the send tracker). Decoding wraps the received
+buffers with ``torch.frombuffer``, again without a copy.
+
+Nothing here ever unpickles. Decoding is strict: the protocol version, the number of
+frames, every dtype (from an allow-list), shape and byte count, the message size and
+the msgpack types are all checked, and any violation raises :class:`MessageError` with
+a reason that names the problem. msgpack extension types are refused.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import msgpack
+import torch
+from torch import Tensor
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB per message
+
+DTYPES: dict[str, torch.dtype] = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Received frames are read-only; decoded tensors share their memory (clone to modify).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+_MAX_ENVELOPE = 1 << 20  # 1 MiB of metadata is plenty
+_MAX_DIMS = 8
+
+
+class MessageError(ValueError):
+    """A received message violates the wire format; ``reason`` is a short category."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = None) -> list[Any]:
+    """Frames for one message. Tensors must be on the CPU; non-contiguous ones are
+    made contiguous (that one case copies)."""
+    specs = []
+    frames: list[Any] = [None]
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.device.type != "cpu":
+            raise ValueError(f"tensor {name!r} is on {t.device}; move it to the CPU before sending")
+        if t.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {t.dtype}")
+        t = t.detach().contiguous()
+        specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape), t.numel() * t.element_size()])
+        frames.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    envelope = {"v": PROTOCOL_VERSION, "kind": kind, "meta": meta or {}, "tensors": specs}
+    frames[0] = msgpack.packb(envelope, use_bin_type=True)
+    return frames
+
+
+def _reject_ext(code: int, data: bytes) -> Any:
+    raise MessageError("bad_envelope", f"msgpack extension type {code} is not allowed")
+
+
+def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, dict[str, Any], dict[str, Tensor]]:
+    """Validate and unpack a message: ``(kind, meta, tensors)``. Raises :class:`MessageError`."""
+    if not frames:
+        raise MessageError("bad_envelope", "empty message")
+    head = bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
+    if len(head) > _MAX_ENVELOPE:
+        raise MessageError("oversized", f"envelope of {len(head)} bytes exceeds {_MAX_ENVELOPE}")
+    try:
+        env = msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_reject_ext)
+    except MessageError:
+        raise
+    except Exception as exc:  # msgpack raises several exception types on garbage
+        raise MessageError("bad_envelope", f"not a msgpack envelope ({type(exc).__name__}: {exc})") from None
+    if not isinstance(env, dict) or set(env) != {"v", "kind", "meta", "tensors"}:
+        keys = sorted(env) if isinstance(env, dict) else type(env).__name__
+        raise MessageError("bad_envelope", f"envelope must have keys v, kind, meta, tensors; got {keys}")
+    if env["v"] != PROTOCOL_VERSION:
+        raise MessageError("bad_version", f"protocol version {env['v']!r}, expected {PROTOCOL_VERSION}")
+    kind, meta, specs = env["kind"], env["meta"], env["tensors"]
+    if not isinstance(kind, str) or not isinstance(meta, dict) or not isinstance(specs, list):
+        raise MessageError("bad_envelope", "kind must be a string, meta a map and tensors a list")
+    if len(frames) != len(specs) + 1:
+        raise MessageError("bad_frames", f"{len(specs)} tensors declared but {len(frames) - 1} data frames received")
+    tensors: dict[str, Tensor] = {}
+    total = 0
+    for spec, frame in zip(specs, frames[1:]):
+        name, dtype, shape, nbytes = _check_spec(spec)
+        if name in tensors:
+            raise MessageError("bad_tensor", f"duplicate tensor name {name!r}")
+        buf = frame.buffer if hasattr(frame, "buffer") else frame
+        size = memoryview(buf).nbytes
+        expect = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes != expect or size != nbytes:
+            raise MessageError(
+                "bad_tensor", f"tensor {name!r}: shape {shape} {dtype} needs {expect} bytes, "
+                f"declared {nbytes}, frame has {size}")
+        total += size
+        if total > max_bytes:
+            raise MessageError("oversized", f"message exceeds {max_bytes} bytes")
+        if size == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        else:
+            tensors[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+    return kind, meta, tensors
+
+
+def _check_spec(spec: Any) -> tuple[str, torch.dtype, list[int], int]:
+    if not (isinstance(spec, list) and len(spec) == 4):
+        raise MessageError("bad_tensor", f"tensor spec must be [name, dtype, shape, nbytes], got {spec!r:.80}")
+    name, dtype, shape, nbytes = spec
+    if not isinstance(name, str) or not name:
+        raise MessageError("bad_tensor", f"tensor name must be a non-empty string, got {name!r:.40}")
+    if dtype not in DTYPES:
+        raise MessageError("bad_tensor", f"tensor {name!r}: dtype {dtype!r:.40} not in {sorted(DTYPES)}")
+    if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+        raise MessageError("bad_tensor", f"tensor {name!r}: bad shape {shape!r:.80}")
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise MessageError("bad_tensor", f"tensor {name!r}: bad byte count {nbytes!r:.40}")
+    return name, DTYPES[dtype], shape, nbytes

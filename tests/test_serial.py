@@ -1,0 +1,103 @@
+"""Data-plane wire format: bit-exact round trips, zero-copy frames, strict rejection."""
+
+import msgpack
+import pytest
+import torch
+
+from planes.serial import DTYPES, PROTOCOL_VERSION, MessageError, decode, encode
+from dvla.envs import make_env
+from dvla.config import EnvConfig
+from dvla.policy import PolicySpec, build_policy
+from dvla.rollout import collect_episodes
+from dvla.types import RolloutBatch
+
+
+def sample_tensors():
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, dt in DTYPES.items():
+        if dt == torch.bool:
+            out[name] = torch.rand(3, 5, generator=g) > 0.5
+        elif dt.is_floating_point:
+            out[name] = torch.randn(2, 3, 4, generator=g).to(dt)
+        else:
+            out[name] = torch.randint(-100 if dt != torch.uint8 else 0, 100, (7,), generator=g).to(dt)
+    out["empty"] = torch.zeros(0, 4)
+    out["scalar"] = torch.tensor(3.5)
+    out["strided"] = torch.arange(12.0).view(3, 4).t()  # non-contiguous
+    return out
+
+
+def test_round_trip_bit_exact_all_dtypes():
+    tensors = sample_tensors()
+    frames = encode("test", tensors, {"seq": 7, "rank": 1})
+    kind, meta, got = decode([bytes(f) for f in frames])
+    assert kind == "test" and meta == {"seq": 7, "rank": 1}
+    assert list(got) == list(tensors)
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape
+        # Compare the raw bytes: bit-exact, NaN payloads and signed zeros included.
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), k
+
+
+def test_frames_are_zero_copy_views():
+    t = torch.arange(16, dtype=torch.float32)
+    frames = encode("x", {"t": t})
+    t[0] = 42.0  # the frame sees the tensor's own memory
+    assert torch.frombuffer(bytearray(frames[1]), dtype=torch.float32)[0] == 42.0
+
+
+def test_rollout_batch_round_trip():
+    cfg = EnvConfig(name="fast_reach", n_envs=4, image_size=16)
+    env = make_env(cfg)
+    spec = PolicySpec(env.spec.image_shape, env.spec.proprio_dim, env.spec.action_dim)
+    policy = build_policy("tiny_vla", spec, {"hidden_dim": 8, "vision_channels": 4, "embed_dim": 4})
+    batch = collect_episodes(env, policy, 5, group_size=2, policy_version=3)
+    _, meta, got = decode(encode("rollout", batch.to_dict(), {"version": 3}))
+    back = RolloutBatch(**got)
+    for k, v in batch.to_dict().items():
+        assert torch.equal(getattr(back, k), v), k
+
+
+def envelope(**over):
+    env = {"v": PROTOCOL_VERSION, "kind": "k", "meta": {}, "tensors": [["a", "float32", [2], 8]]}
+    env.update(over)
+    return msgpack.packb(env, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "frames, reason",
+    [
+        ([], "bad_envelope"),
+        ([b"\xc1garbage"], "bad_envelope"),
+        ([msgpack.packb([1, 2, 3])], "bad_envelope"),
+        ([envelope(v=2), b"\x00" * 8], "bad_version"),
+        ([envelope(), b"\x00" * 7], "bad_tensor"),  # truncated data frame
+        ([envelope()], "bad_frames"),  # missing data frame
+        ([envelope(), b"\x00" * 8, b"x"], "bad_frames"),  # extra frame
+        ([envelope(tensors=[["a", "object", [2], 8]]), b"\x00" * 8], "bad_tensor"),
+        ([envelope(tensors=[["a", "float32", [-2], 8]]), b"\x00" * 8], "bad_tensor"),
+        ([envelope(tensors=[["a", "float32", [3], 8]]), b"\x00" * 8], "bad_tensor"),
+        ([envelope(tensors=[["a", "float32", [2]]]), b"\x00" * 8], "bad_tensor"),
+        ([envelope(tensors=[["a", "uint8", [2], 2], ["a", "uint8", [2], 2]]), b"ab", b"cd"], "bad_tensor"),
+        ([envelope(meta=msgpack.ExtType(1, b"x")), b"\x00" * 8], "bad_envelope"),
+        ([envelope(extra=1), b"\x00" * 8], "bad_envelope"),
+    ],
+)
+def test_malformed_messages_are_rejected(frames, reason):
+    with pytest.raises(MessageError) as info:
+        decode(frames)
+    assert info.value.reason == reason
+
+
+def test_oversized_message_rejected():
+    frames = encode("big", {"a": torch.zeros(1000, dtype=torch.uint8)})
+    with pytest.raises(MessageError, match="oversized"):
+        decode(frames, max_bytes=999)
+
+
+def test_encode_refuses_what_it_cannot_send():
+    with pytest.raises(TypeError, match="not a torch.Tensor"):
+        encode("x", {"a": [1, 2]})
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        encode("x", {"a": torch.zeros(2, dtype=torch.complex64)})
