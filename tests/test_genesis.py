@@ -3,7 +3,6 @@
 All tests share one process-wide genesis init; scenes after the first build in seconds.
 """
 
-import os
 
 import pytest
 import torch

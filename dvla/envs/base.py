@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dvla.config import EnvConfig
+from dvla.config import ConfigError, EnvConfig
 from dvla.types import Observation, StepResult
 
 
@@ -42,6 +42,16 @@ class BatchedEnv(ABC):
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._done = torch.zeros(self.n_envs, dtype=torch.bool, device=self.device)
         self._success = torch.zeros(self.n_envs, dtype=torch.bool, device=self.device)
+
+    def _options(self, defaults: dict) -> dict:
+        """``cfg.options`` over ``defaults``; an unknown key is a ConfigError naming the allowed ones."""
+        unknown = set(self.cfg.options) - set(defaults)
+        if unknown:
+            raise ConfigError(
+                f"env.options: unknown option(s) {sorted(unknown)} for {self.cfg.name}; "
+                f"allowed: {sorted(defaults)}"
+            )
+        return {**defaults, **self.cfg.options}
 
     # -- hooks ------------------------------------------------------------------------------
     @abstractmethod

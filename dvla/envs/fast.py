@@ -36,13 +36,7 @@ class FastReachEnv(GoalEnv):
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)
-        unknown = set(cfg.options) - set(self.OPTIONS)
-        if unknown:
-            raise ConfigError(
-                f"env.options: unknown option(s) {sorted(unknown)} for fast_reach; "
-                f"allowed: {sorted(self.OPTIONS)}"
-            )
-        opts = {**self.OPTIONS, **cfg.options}
+        opts = self._options(self.OPTIONS)
         self.n_targets = int(opts["n_targets"])
         if not 1 <= self.n_targets <= len(COLORS):
             raise ConfigError(f"env.options.n_targets: must be in [1, {len(COLORS)}], got {self.n_targets}")

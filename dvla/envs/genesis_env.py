@@ -73,12 +73,7 @@ class GenesisFrankaEnv(GoalEnv):
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)
-        unknown = set(cfg.options) - set(self.OPTIONS)
-        if unknown:
-            raise ConfigError(
-                f"env.options: unknown option(s) {sorted(unknown)} for {cfg.name}; allowed: {sorted(self.OPTIONS)}"
-            )
-        opts = {**self.OPTIONS, **cfg.options}
+        opts = self._options(self.OPTIONS)
         self.max_delta = float(opts["max_delta"])
         self.substeps = int(opts["substeps_per_action"])
         if self.substeps < 1:

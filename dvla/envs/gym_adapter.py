@@ -28,33 +28,29 @@ from dvla.types import Observation
 
 
 class GymVectorEnv(BatchedEnv):
-    OPTIONS = {"gym_id", "instruction", "image_key", "make_kwargs"}
+    OPTIONS = {"gym_id": None, "instruction": None, "image_key": None, "make_kwargs": {}}
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0, vec_env=None):
         super().__init__(cfg, device, seed)
         import gymnasium as gym
 
-        unknown = set(cfg.options) - self.OPTIONS
-        if unknown:
-            raise ConfigError(
-                f"env.options: unknown option(s) {sorted(unknown)} for gym; allowed: {sorted(self.OPTIONS)}"
-            )
-        gym_id = cfg.options.get("gym_id")
+        opts = self._options(self.OPTIONS)
+        gym_id = opts["gym_id"]
         if vec_env is None:
             if not gym_id:
                 raise ConfigError("env.options.gym_id: required for env.name='gym' (e.g. 'Pendulum-v1')")
             try:
                 vec_env = gym.make_vec(
                     gym_id, num_envs=cfg.n_envs, vectorization_mode="sync",
-                    **cfg.options.get("make_kwargs", {}),
+                    **opts["make_kwargs"],
                 )
             except gym.error.Error as exc:
                 raise ConfigError(f"env.options.gym_id: cannot make {gym_id!r}: {exc}") from exc
         if vec_env.num_envs != cfg.n_envs:
             raise ConfigError(f"env.n_envs={cfg.n_envs} but the vector env has {vec_env.num_envs} envs")
         self.vec = vec_env
-        self.instruction = cfg.options.get("instruction") or f"solve {gym_id or 'task'}"
-        self.image_key = cfg.options.get("image_key")
+        self.instruction = opts["instruction"] or f"solve {gym_id or 'task'}"
+        self.image_key = opts["image_key"]
         self._seed = seed
         self._episode = 0
 
