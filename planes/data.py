@@ -1,0 +1,359 @@
+"""The data plane: trajectory chunks from rollout ranks to a learner over ZeroMQ.
+
+Pattern: **PUSH -> PULL**. Senders (rollout ranks) connect PUSH sockets to the learner's
+bound PULL socket. PUSH/PULL is a pipeline: fan-in from any number of senders with fair
+queueing, no reply round trip on the hot path, and backpressure for free: when the
+learner stops reading, its receive high-water mark fills, then each sender's send
+high-water mark, and then ``send`` blocks (up to ``send_timeout_s``) instead of growing
+memory. Liveness does not need a reply path either: every sender also sends small
+heartbeats on a second PUSH socket (its own pipe, so heartbeats are never stuck behind
+data that is held back by backpressure), and the receiver declares a sender dead when
+it has heard nothing for ``peer_timeout_s``.
+
+Addresses are not configured by hand: the receiver binds an ``ipc://`` endpoint (same
+host) and a ``tcp://`` endpoint (loopback unless ``bind_host`` says otherwise, random
+port) and publishes both, with its host name, in the torch.distributed store that
+torchrun already runs. A sender on the same host uses ipc, others tcp.
+
+Messages use :mod:`planes.serial` (msgpack envelope, raw tensor frames, never pickle).
+Malformed messages are counted by reason and logged; the receiver keeps running.
+Optional CurveZMQ encryption (``curve=True``): the receiver's public key travels
+through the store; with ``curve_authorized_dir`` only clients whose public keys are
+in that directory (``*.key`` files from ``zmq.auth.create_certificates``) may connect.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import os
+import queue
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import zmq
+from torch import Tensor
+
+from planes.serial import DEFAULT_MAX_BYTES, MessageError, decode, encode
+
+log = logging.getLogger("dvla.planes.data")
+
+HEARTBEAT_KIND = "_hb"
+
+
+@dataclass(kw_only=True)
+class DataPlaneConfig:
+    transport: str = "auto"
+    """``auto`` (ipc on the same host, tcp across hosts), ``ipc`` or ``tcp``."""
+    bind_host: str = "127.0.0.1"
+    """Interface the receiver's tcp endpoint binds to; loopback unless configured."""
+    send_hwm: int = 8
+    """Messages a sender may have queued before ``send`` blocks."""
+    recv_hwm: int = 8
+    """Messages ZeroMQ may buffer at the receiver."""
+    recv_queue: int = 8
+    """Decoded messages waiting for the consumer; when full the receiver stops reading."""
+    max_message_bytes: int = DEFAULT_MAX_BYTES
+    send_timeout_s: float = 60.0
+    heartbeat_s: float = 0.5
+    peer_timeout_s: float = 5.0
+    curve: bool = False
+    curve_authorized_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "ipc", "tcp"):
+            raise ValueError(f"data_plane.transport: must be 'auto', 'ipc' or 'tcp', got {self.transport!r}")
+        for name in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"data_plane.{name}: must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.heartbeat_s < self.peer_timeout_s:
+            raise ValueError("data_plane.heartbeat_s must be > 0 and below data_plane.peer_timeout_s")
+
+
+@dataclass
+class Message:
+    kind: str
+    meta: dict[str, Any]
+    tensors: dict[str, Tensor]
+    sender: str
+    seq: int
+
+
+@dataclass
+class Counters:
+    sent: int = 0
+    received: int = 0
+    rejected: dict[str, int] = field(default_factory=lambda: collections.Counter())
+    dropped: dict[str, int] = field(default_factory=lambda: collections.Counter())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"sent": self.sent, "received": self.received,
+                "rejected": dict(self.rejected), "dropped": dict(self.dropped)}
+
+
+class BackpressureTimeout(TimeoutError):
+    """``send`` waited ``send_timeout_s`` for the receiver to take messages."""
+
+
+def _hostname() -> str:
+    return os.environ.get("DVLA_FAKE_HOSTNAME") or socket.gethostname()
+
+
+class TrajectoryReceiver:
+    """Learner side: binds, publishes its address, decodes in a background thread."""
+
+    def __init__(self, cfg: DataPlaneConfig | None = None, *, store=None, key: str = "dvla/data/0",
+                 ctx: zmq.Context | None = None):
+        self.cfg = cfg or DataPlaneConfig()
+        self.ctx = ctx or zmq.Context.instance()
+        self.counters = Counters()
+        self._queue: queue.Queue[Message] = queue.Queue(maxsize=self.cfg.recv_queue)
+        self._peers: dict[str, float] = {}
+        self._dead: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        sock = self.ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, self.cfg.recv_hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + (1 << 20))
+        self.public_key = None
+        self._auth = None
+        if self.cfg.curve:
+            public, secret = zmq.curve_keypair()
+            sock.curve_secretkey = secret
+            sock.curve_publickey = public
+            sock.curve_server = True
+            self.public_key = public
+            if self.cfg.curve_authorized_dir:
+                from zmq.auth.thread import ThreadAuthenticator
+
+                self._auth = ThreadAuthenticator(self.ctx)
+                self._auth.start()
+                self._auth.configure_curve(domain="*", location=self.cfg.curve_authorized_dir)
+        self.endpoints: dict[str, str] = {"host": _hostname()}
+        if self.cfg.transport in ("auto", "ipc"):
+            path = os.path.join(tempfile.gettempdir(), f"dvla-{uuid.uuid4().hex[:12]}.sock")
+            sock.bind(f"ipc://{path}")
+            self.endpoints["ipc"] = f"ipc://{path}"
+            self._ipc_path = path
+        else:
+            self._ipc_path = None
+        if self.cfg.transport in ("auto", "tcp"):
+            port = sock.bind_to_random_port(f"tcp://{self.cfg.bind_host}")
+            self.endpoints["tcp"] = f"tcp://{self.cfg.bind_host}:{port}"
+        if self.public_key is not None:
+            self.endpoints["curve_public_key"] = self.public_key.decode()
+        self._sock = sock
+        if store is not None:
+            store.set(key, msgpack.packb(self.endpoints))
+        self._thread = threading.Thread(target=self._run, name="dvla-data-recv", daemon=True)
+        self._thread.start()
+
+    # -- background thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(50):
+                    self._check_peers()
+                    continue
+                frames = self._sock.recv_multipart(copy=False)
+                msg = self._decode(frames)
+                self._check_peers()
+                if msg is None:
+                    continue
+                while not self._stop.is_set():
+                    try:  # blocking here is the backpressure: we stop reading the socket
+                        self._queue.put(msg, timeout=0.1)
+                        break
+                    except queue.Full:
+                        self._check_peers()
+                else:
+                    self.counters.dropped["shutdown"] += 1
+        except BaseException as exc:  # surfaced to the consumer by get()
+            if not self._stop.is_set():
+                self._error = exc
+                log.exception("data plane receiver failed")
+
+    def _decode(self, frames) -> Message | None:
+        try:
+            kind, meta, tensors = decode(frames, self.cfg.max_message_bytes)
+            sender, seq = meta.get("sender"), meta.get("seq")
+            if not isinstance(sender, str) or not isinstance(seq, int):
+                raise MessageError("bad_envelope", "meta must carry 'sender' (str) and 'seq' (int)")
+        except MessageError as exc:
+            self.counters.rejected[exc.reason] += 1
+            log.error("data plane: rejected message: %s", exc)
+            return None
+        now = time.monotonic()
+        with self._lock:
+            if sender in self._dead:
+                log.warning("data plane: sender %s is alive again", sender)
+                del self._dead[sender]
+            self._peers[sender] = now
+        if kind == HEARTBEAT_KIND:
+            return None
+        self.counters.received += 1
+        return Message(kind=kind, meta=meta, tensors=tensors, sender=sender, seq=seq)
+
+    def _check_peers(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for peer, seen in list(self._peers.items()):
+                if now - seen > self.cfg.peer_timeout_s:
+                    del self._peers[peer]
+                    self._dead[peer] = now
+                    log.error("data plane: sender %s silent for %.1fs, declared dead", peer, now - seen)
+
+    # -- consumer API ----------------------------------------------------------------------
+    def get(self, timeout: float | None = None) -> Message | None:
+        """Next message, or None after ``timeout`` seconds. Re-raises a receiver failure."""
+        if self._error is not None:
+            raise RuntimeError("data plane receiver thread failed") from self._error
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    @property
+    def live_peers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._peers)
+
+    @property
+    def dead_peers(self) -> list[str]:
+        with self._lock:
+            return sorted(self._dead)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._sock.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._ipc_path and os.path.exists(self._ipc_path):
+            os.unlink(self._ipc_path)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def lookup_endpoints(store, key: str = "dvla/data/0", timeout_s: float = 60.0) -> dict[str, str]:
+    """Read a receiver's published endpoints from the store (waits until present)."""
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    return msgpack.unpackb(store.get(key), raw=False)
+
+
+class TrajectorySender:
+    """Rollout side: connects to a receiver, sends zero-copy, heartbeats in the background."""
+
+    def __init__(self, endpoints: dict[str, str], cfg: DataPlaneConfig | None = None, *,
+                 sender_id: str | None = None, ctx: zmq.Context | None = None,
+                 client_keys: tuple[bytes, bytes] | None = None):
+        self.cfg = cfg or DataPlaneConfig()
+        self.ctx = ctx or zmq.Context.instance()
+        self.sender_id = sender_id or f"{_hostname()}:{os.getpid()}"
+        self.counters = Counters()
+        self.seq = 0
+        self.address = self._pick(endpoints)
+        self._pending: collections.deque = collections.deque()
+        self._data = self._socket(endpoints, self.cfg.send_hwm, client_keys)
+        self._hb = self._socket(endpoints, 4, client_keys)
+        self._hb_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._hb_thread = threading.Thread(target=self._heartbeat, name="dvla-data-hb", daemon=True)
+        self._hb_thread.start()
+
+    def _pick(self, endpoints: dict[str, str]) -> str:
+        same_host = endpoints.get("host") == _hostname()
+        want = self.cfg.transport
+        if want == "ipc" or (want == "auto" and same_host and "ipc" in endpoints):
+            if "ipc" not in endpoints:
+                raise ValueError("data plane: receiver has no ipc endpoint")
+            return endpoints["ipc"]
+        if "tcp" not in endpoints:
+            raise ValueError("data plane: receiver has no tcp endpoint")
+        return endpoints["tcp"]
+
+    def _socket(self, endpoints, hwm: int, client_keys):
+        sock = self.ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, hwm)
+        sock.setsockopt(zmq.LINGER, 2000)
+        if "curve_public_key" in endpoints:
+            public, secret = client_keys or zmq.curve_keypair()
+            sock.curve_publickey = public
+            sock.curve_secretkey = secret
+            sock.curve_serverkey = endpoints["curve_public_key"].encode()
+        sock.connect(self.address)
+        return sock
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self.cfg.heartbeat_s):
+            frames = encode(HEARTBEAT_KIND, {}, {"sender": self.sender_id, "seq": -1})
+            try:
+                with self._hb_lock:
+                    self._hb.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the receiver is gone or slow: it will notice our silence
+
+    def send(self, kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = None) -> int:
+        """Queue one message without copying tensor memory; returns its sequence number.
+
+        Blocks while the receiver applies backpressure, at most ``send_timeout_s``."""
+        self._reap()
+        meta = dict(meta or {})
+        seq = self.seq
+        meta.update(sender=self.sender_id, seq=seq)
+        frames = encode(kind, tensors, meta)
+        deadline = time.monotonic() + self.cfg.send_timeout_s
+        while not self._data.poll(100, zmq.POLLOUT):
+            if time.monotonic() > deadline:
+                self.counters.dropped["backpressure_timeout"] += 1
+                raise BackpressureTimeout(
+                    f"data plane: receiver at {self.address} took nothing for {self.cfg.send_timeout_s}s")
+        tracker = self._data.send_multipart(frames, copy=False, track=True)
+        # Keep the tensors (whose memory the frames point into) alive until sent.
+        self._pending.append((tracker, frames, tensors))
+        self.seq += 1
+        self.counters.sent += 1
+        return seq
+
+    def _reap(self) -> None:
+        while self._pending and self._pending[0][0].done:
+            self._pending.popleft()
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until ZeroMQ no longer needs any tensor passed to ``send``."""
+        deadline = time.monotonic() + timeout_s
+        while self._pending:
+            tracker = self._pending[0][0]
+            tracker.wait(max(0.0, deadline - time.monotonic()))
+            self._pending.popleft()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._hb_thread.join(timeout=5)
+        try:
+            self.flush(timeout_s=5)
+        except zmq.NotDone:
+            pass
+        self._data.close()
+        self._hb.close(linger=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

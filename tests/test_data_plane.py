@@ -1,0 +1,155 @@
+"""Data plane over real ZeroMQ sockets on loopback (ipc:// and tcp://), with sender processes."""
+
+import datetime
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+import zmq.auth
+from torch.distributed import TCPStore
+
+from planes.data import BackpressureTimeout, DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
+from planes.serial import encode
+
+CTX = mp.get_context("spawn")
+
+
+def chunk(rank: int, i: int) -> dict[str, torch.Tensor]:
+    """A realistic trajectory chunk: 8 steps x 4 envs of 64x64 RGB plus per-step tensors."""
+    g = torch.Generator().manual_seed(1000 * rank + i)
+    return {
+        "image": torch.randint(0, 256, (8, 4, 3, 64, 64), dtype=torch.uint8, generator=g),
+        "proprio": torch.randn(8, 4, 12, generator=g),
+        "actions": torch.rand(8, 4, 2, 4, generator=g) * 2 - 1,
+        "valid": torch.rand(8, 4, generator=g) > 0.2,
+        "policy_version": torch.full((8, 4), i, dtype=torch.long),
+    }
+
+
+def _sender_proc(port: int, rank: int, n: int, transport: str, hold_s: float) -> None:
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    cfg = DataPlaneConfig(transport=transport, heartbeat_s=0.2, peer_timeout_s=1.5)
+    with TrajectorySender(lookup_endpoints(store), cfg, sender_id=f"rollout{rank}") as tx:
+        for i in range(n):
+            tx.send("rollout", chunk(rank, i), {"rank": rank, "i": i})
+        tx.flush()
+        time.sleep(hold_s)  # stay alive (heartbeating) so the receiver can be killed-tested
+
+
+@pytest.fixture
+def store():
+    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    yield s
+
+
+@pytest.mark.parametrize("transport", ["ipc", "tcp"])
+def test_round_trip_from_two_processes_is_bit_exact(store, transport):
+    cfg = DataPlaneConfig(transport=transport)
+    with TrajectoryReceiver(cfg, store=store) as rx:
+        procs = [CTX.Process(target=_sender_proc, args=(store.port, r, 5, transport, 0.0)) for r in (0, 1)]
+        for p in procs:
+            p.start()
+        got = {}
+        deadline = time.monotonic() + 60
+        while len(got) < 10 and time.monotonic() < deadline:
+            msg = rx.get(timeout=1.0)
+            if msg is not None:
+                got[(msg.meta["rank"], msg.meta["i"])] = msg
+        for p in procs:
+            p.join(30)
+        assert len(got) == 10
+        for (rank, i), msg in got.items():
+            assert msg.sender == f"rollout{rank}" and msg.seq == i and msg.kind == "rollout"
+            for k, v in chunk(rank, i).items():
+                assert torch.equal(msg.tensors[k], v), k
+        assert rx.counters.received == 10 and not rx.counters.rejected
+        assert rx.endpoints[transport].startswith(f"{transport}://")
+        if transport == "tcp":
+            assert rx.endpoints["tcp"].startswith("tcp://127.0.0.1:")
+
+
+def test_bad_messages_are_counted_and_receiver_survives():
+    with TrajectoryReceiver(DataPlaneConfig(transport="tcp")) as rx:
+        raw = zmq.Context.instance().socket(zmq.PUSH)
+        raw.connect(rx.endpoints["tcp"])
+        good = encode("rollout", {"x": torch.arange(4)}, {"sender": "s", "seq": 0})
+        bad_version = [msgpack.packb({"v": 99, "kind": "k", "meta": {}, "tensors": []})]
+        truncated = [good[0], bytes(good[1])[:-1]]
+        no_sender = encode("rollout", {"x": torch.arange(4)}, {"seq": 0})
+        for frames in ([b"garbage"], bad_version, truncated, no_sender, [b"\x80"] + [b"x"] * 3):
+            raw.send_multipart(frames)
+        raw.send_multipart(good)
+        msg = rx.get(timeout=10)
+        assert msg is not None and torch.equal(msg.tensors["x"], torch.arange(4))
+        rej = rx.counters.rejected
+        assert sum(rej.values()) == 5, rej
+        assert rej["bad_version"] == 1 and rej["bad_tensor"] == 1 and rej["bad_envelope"] >= 2
+        raw.close(linger=0)
+
+
+def test_backpressure_blocks_sender_with_bounded_buffering():
+    cfg = DataPlaneConfig(transport="ipc", send_hwm=1, recv_hwm=1, recv_queue=1, send_timeout_s=1.0)
+    with TrajectoryReceiver(cfg) as rx:
+        tx = TrajectorySender(rx.endpoints, cfg, sender_id="fast")
+        sent = 0
+        with pytest.raises(BackpressureTimeout):
+            for i in range(100):
+                tx.send("rollout", chunk(0, i))
+                sent += 1
+        # Only a handful fit in the queues and socket buffers; the rest waited.
+        assert sent < 20, sent
+        assert tx.counters.dropped["backpressure_timeout"] == 1
+        # Once the learner reads again, everything that was accepted arrives, in order.
+        seqs = []
+        while (msg := rx.get(timeout=2.0)) is not None:
+            seqs.append(msg.seq)
+        assert seqs == list(range(sent))
+        tx.close()
+
+
+def test_dead_sender_is_detected_within_timeout(store):
+    cfg = DataPlaneConfig(transport="ipc", heartbeat_s=0.2, peer_timeout_s=1.5)
+    with TrajectoryReceiver(cfg, store=store) as rx:
+        proc = CTX.Process(target=_sender_proc, args=(store.port, 7, 1, "ipc", 60.0))
+        proc.start()
+        assert rx.get(timeout=60) is not None
+        assert rx.live_peers == ["rollout7"]
+        time.sleep(0.6)
+        assert rx.dead_peers == []  # heartbeats keep an idle sender alive
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        t0 = time.monotonic()
+        while rx.dead_peers != ["rollout7"] and time.monotonic() - t0 < 10:
+            time.sleep(0.1)
+        assert rx.dead_peers == ["rollout7"] and rx.live_peers == []
+        assert time.monotonic() - t0 < 5
+
+
+def test_curve_encryption_and_client_authorisation(tmp_path):
+    keys = tmp_path / "keys"
+    allowed = tmp_path / "allowed"
+    keys.mkdir()
+    allowed.mkdir()
+    pub, sec = zmq.auth.create_certificates(str(keys), "client")
+    os.replace(pub, allowed / "client.key")
+    client_keys = zmq.auth.load_certificate(sec)
+    cfg = DataPlaneConfig(transport="tcp", curve=True, curve_authorized_dir=str(allowed), send_timeout_s=2)
+    with TrajectoryReceiver(cfg) as rx:
+        assert "curve_public_key" in rx.endpoints
+        with TrajectorySender(rx.endpoints, cfg, sender_id="ok", client_keys=client_keys) as tx:
+            tx.send("rollout", {"x": torch.ones(3)})
+            msg = rx.get(timeout=10)
+            assert msg is not None and msg.sender == "ok"
+        # An unknown client (fresh key pair) is refused by the authenticator.
+        with TrajectorySender(rx.endpoints, cfg, sender_id="intruder") as tx:
+            try:
+                tx.send("rollout", {"x": torch.ones(3)})
+            except BackpressureTimeout:
+                pass
+            assert rx.get(timeout=1.5) is None
+        assert rx.counters.received == 1
