@@ -1,4 +1,9 @@
-"""Transport planes. ``planes.serial``: the data plane's msgpack + raw-frame wire format."""
+"""Transport planes.
+
+* ``planes.serial``: the data plane's wire format (msgpack envelope + raw tensor frames).
+* ``planes.data``: trajectories over ZeroMQ (PUSH/PULL), with backpressure and liveness.
+* ``planes.control``: versioned, bucketed weight broadcast over torch.distributed.
+"""
 
 from planes.serial import PROTOCOL_VERSION, MessageError, decode, encode
 

@@ -1,0 +1,272 @@
+"""The control plane: versioned weight broadcast over ``torch.distributed``.
+
+Weights are low-frequency, large and must be identical everywhere, so they travel on
+collectives (NCCL between GPUs, gloo on CPUs) in a process group of their own, never
+the learners' gradient group, so weight traffic and gradient all-reduce do not
+interleave on one communicator.
+
+:class:`WeightBroadcaster` packs a module's parameters (and floating buffers) into a
+few flat buckets of at most ``bucket_bytes`` each, grouped by dtype, allocated once.
+Each parameter owns a view into its bucket, so publishing is "copy params into views,
+broadcast the buckets" and receiving is the reverse: a handful of large collectives and
+no allocation per version. Every broadcast is preceded by an int64 version number; a
+negative version is the shutdown signal.
+
+At construction all ranks compare a checksum of the parameter layout (names, dtypes,
+shapes, bucket size): a rank built with a different model fails with
+:class:`LayoutMismatchError` on every rank instead of receiving garbage.
+
+:class:`WeightSubscriber` runs the receiving side in a background thread with two
+staging buffers, so a consumer (the inference lane) can ``poll()`` without blocking:
+it gets the newest complete version, or ``None`` if nothing new has arrived.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+SHUTDOWN = -1
+
+
+class LayoutMismatchError(RuntimeError):
+    """Ranks of the control group hold models with different parameter layouts."""
+
+
+@dataclass
+class _Bucket:
+    flat: Tensor
+    views: list[tuple[Tensor, Tensor]]  # (model tensor, view into flat)
+
+
+def _entries(module: nn.Module) -> list[tuple[str, Tensor]]:
+    out = [(n, p.data) for n, p in module.named_parameters()]
+    out += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+    return out
+
+
+def layout_checksum(entries: list[tuple[str, Tensor]], bucket_bytes: int) -> int:
+    h = hashlib.sha256(str(bucket_bytes).encode())
+    for name, t in entries:
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+    return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def new_control_group(ranks: list[int] | None = None) -> dist.ProcessGroup:
+    """A process group for weight traffic only: NCCL when CUDA is available, else gloo.
+    Must be called by every rank of the default group (a torch.distributed rule)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    return dist.new_group(ranks if ranks is not None else list(range(dist.get_world_size())), backend=backend)
+
+
+class WeightBroadcaster:
+    """Bucketed, versioned broadcast of ``module``'s weights from ``src`` (a global rank)."""
+
+    def __init__(self, module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        if bucket_bytes < 1:
+            raise ValueError(f"control_plane.bucket_bytes: must be >= 1, got {bucket_bytes}")
+        self.module = module
+        self.src = src
+        self.group = group
+        self.rank = dist.get_rank()
+        self.is_src = self.rank == src
+        self.bucket_bytes = bucket_bytes
+        entries = _entries(module)
+        if not entries:
+            raise ValueError("control plane: the module has no parameters to broadcast")
+        self.device = entries[0][1].device
+        self.names = [n for n, _ in entries]
+        self.checksum = layout_checksum(entries, bucket_bytes)
+        self._check_layout()
+        self.buckets = self._build_buckets(entries)
+        self.nbytes = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+        self._version_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.version = -1
+
+    def _check_layout(self) -> None:
+        world = dist.get_world_size(self.group)
+        mine = torch.tensor([self.checksum], dtype=torch.int64, device=self.device)
+        all_sums = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(all_sums, mine, group=self.group)
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(world))
+        src_sum = all_sums[ranks.index(self.src)].item()
+        bad = [r for r, s in zip(ranks, all_sums) if s.item() != src_sum]
+        if bad:
+            raise LayoutMismatchError(
+                f"control plane: parameter layout checksum of rank(s) {bad} differs from source rank "
+                f"{self.src} ({src_sum:#x}); every rank must build the same model with the same "
+                f"bucket size (this rank: {self.checksum:#x})"
+            )
+
+    def _build_buckets(self, entries: list[tuple[str, Tensor]]) -> list[_Bucket]:
+        buckets: list[_Bucket] = []
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for _, t in entries:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for dtype, tensors in by_dtype.items():
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            cap = max(1, self.bucket_bytes // itemsize)
+            group: list[Tensor] = []
+            size = 0
+            for t in tensors + [None]:
+                if t is None or (group and size + t.numel() > cap):
+                    flat = torch.empty(size, dtype=dtype, device=self.device)
+                    views, off = [], 0
+                    for g in group:
+                        views.append((g, flat[off : off + g.numel()].view_as(g)))
+                        off += g.numel()
+                    buckets.append(_Bucket(flat, views))
+                    group, size = [], 0
+                if t is not None:
+                    group.append(t)
+                    size += t.numel()
+        return buckets
+
+    # -- source -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def publish(self, version: int) -> None:
+        """Broadcast the current weights as ``version`` (source rank only)."""
+        if not self.is_src:
+            raise RuntimeError("publish() is for the source rank; other ranks call receive()")
+        if version < 0 or version <= self.version:
+            raise ValueError(f"versions must increase and be >= 0: got {version} after {self.version}")
+        for b in self.buckets:
+            for t, view in b.views:
+                view.copy_(t)
+        self._broadcast_version(version)
+        for b in self.buckets:
+            dist.broadcast(b.flat, src=self.src, group=self.group)
+        self.version = version
+
+    def shutdown(self) -> None:
+        """Tell receivers that no further version will come (source rank only)."""
+        self._broadcast_version(SHUTDOWN)
+
+    def _broadcast_version(self, version: int) -> None:
+        self._version_buf.fill_(version)
+        dist.broadcast(self._version_buf, src=self.src, group=self.group)
+
+    # -- receivers ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def receive(self, into: list[Tensor] | None = None) -> int:
+        """Block for the next version; unpack it into the module (or only into the flat
+        tensors ``into``, one per bucket). Returns the version, or ``SHUTDOWN``."""
+        if self.is_src:
+            raise RuntimeError("receive() is for non-source ranks")
+        dist.broadcast(self._version_buf, src=self.src, group=self.group)
+        version = int(self._version_buf.item())
+        if version == SHUTDOWN:
+            return SHUTDOWN
+        flats = into if into is not None else [b.flat for b in self.buckets]
+        for flat in flats:
+            dist.broadcast(flat, src=self.src, group=self.group)
+        if into is None:
+            self._unpack(flats)
+            self.version = version
+        return version
+
+    def _unpack(self, flats: list[Tensor]) -> None:
+        for b, flat in zip(self.buckets, flats):
+            off = 0
+            for t, _ in b.views:
+                n = t.numel()
+                t.copy_(flat[off : off + n].view_as(t))
+                off += n
+
+    def staging_buffers(self) -> list[Tensor]:
+        """A fresh set of flat tensors shaped like the buckets (for double buffering)."""
+        return [torch.empty_like(b.flat) for b in self.buckets]
+
+    # -- checkpoint ---------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write the module's weights as safetensors with version and layout checksum."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        state = {n: t.detach().cpu().contiguous() for n, t in _entries(self.module)}
+        save_file(state, str(tmp), metadata={"version": str(self.version), "layout": f"{self.checksum:#x}"})
+        tmp.replace(path)
+
+
+class WeightSubscriber:
+    """Receives versions in a background thread; ``poll()`` applies the newest one.
+
+    Two staging buffers: the thread always receives into the one that is not the
+    latest complete version, so ``poll`` copies a whole version, never a torn one.
+    """
+
+    def __init__(self, broadcaster: WeightBroadcaster):
+        self.bc = broadcaster
+        self._bufs = [broadcaster.staging_buffers(), broadcaster.staging_buffers()]
+        self._locks = [threading.Lock(), threading.Lock()]
+        self._ready: tuple[int, int] | None = None  # (version, buffer index)
+        self._ready_cv = threading.Condition()
+        self.error: BaseException | None = None
+        self.closed = False
+        self._thread = threading.Thread(target=self._run, name="dvla-weights-recv", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idx = 0 if self._ready is None else 1 - self._ready[1]
+                with self._locks[idx]:
+                    version = self.bc.receive(into=self._bufs[idx])
+                if version == SHUTDOWN:
+                    break
+                with self._ready_cv:
+                    self._ready = (version, idx)
+                    self._ready_cv.notify_all()
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            with self._ready_cv:
+                self.closed = True
+                self._ready_cv.notify_all()
+
+    @property
+    def latest_version(self) -> int:
+        r = self._ready
+        return -1 if r is None else r[0]
+
+    def poll(self) -> int | None:
+        """Apply the newest received version to the module if it is newer than the one
+        applied; return it, or ``None`` when there is nothing new. Never waits for the
+        network."""
+        if self.error is not None:
+            raise RuntimeError("weight receiver thread failed") from self.error
+        for _ in range(3):
+            r = self._ready
+            if r is None or r[0] <= self.bc.version:
+                return None
+            version, idx = r
+            # The receiving thread only ever writes the buffer that is *not* ready; if this
+            # lock is taken, a newer version has just become ready: look again.
+            if not self._locks[idx].acquire(blocking=False):
+                continue
+            try:
+                if self._ready != r:
+                    continue
+                self.bc._unpack(self._bufs[idx])
+                self.bc.version = version
+                return version
+            finally:
+                self._locks[idx].release()
+        return None
+
+    def wait_for(self, version: int, timeout: float | None = None) -> bool:
+        """Block until ``version`` (or newer) has arrived or the stream ended."""
+        with self._ready_cv:
+            return self._ready_cv.wait_for(lambda: self.latest_version >= version or self.closed, timeout)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)

@@ -1,0 +1,214 @@
+"""Control plane: bucketed, versioned weight broadcast on real gloo process groups."""
+
+import hashlib
+import multiprocessing as mp
+import socket
+import threading
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from planes.control import LayoutMismatchError, WeightBroadcaster, WeightSubscriber, new_control_group
+
+CTX = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(rank: int, hidden: int = 32) -> nn.Module:
+    torch.manual_seed(100 + rank)  # every rank starts from different weights
+    return nn.Sequential(nn.Linear(8, hidden), nn.LayerNorm(hidden), nn.Linear(hidden, 4),
+                         nn.BatchNorm1d(4))
+
+
+def digest(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(module.state_dict().items()):
+        if v.is_floating_point():
+            h.update(k.encode() + v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _worker(rank, world, port, scenario, out):
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+        control = new_control_group()
+        result = SCENARIOS[scenario](rank, world, control)
+        out.put((rank, result))
+        dist.destroy_process_group()
+    except BaseException as exc:  # report, do not hang the parent
+        out.put((rank, {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
+
+
+def _broadcast(rank, world, group):
+    model = make_model(rank)
+    bc = WeightBroadcaster(model, src=0, group=group, bucket_bytes=1024)
+    seen = []
+    for version in (1, 2):
+        if rank == 0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(1.5).add_(0.1)
+                model[3].running_mean.add_(version)
+            bc.publish(version)
+        else:
+            seen.append(bc.receive())
+    if rank == 0:
+        bc.shutdown()
+    else:
+        seen.append(bc.receive())
+    return {"digest": digest(model), "seen": seen, "version": bc.version, "buckets": len(bc.buckets)}
+
+
+def _mismatch(rank, world, group):
+    model = make_model(rank, hidden=48 if rank == world - 1 else 32)
+    try:
+        WeightBroadcaster(model, src=0, group=group)
+    except LayoutMismatchError as exc:
+        return {"mismatch": str(exc)}
+    return {"mismatch": None}
+
+
+def _subscriber(rank, world, group):
+    model = make_model(rank)
+    bc = WeightBroadcaster(model, src=0, group=group)
+    if rank == 0:
+        for version in range(1, 6):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            bc.publish(version)
+        bc.shutdown()
+        return {"digest": digest(model), "polled": []}
+    sub = WeightSubscriber(bc)
+    polled = []
+    while not sub.closed:
+        v = sub.poll()  # never blocks on the network
+        if v is not None:
+            polled.append(v)
+        time.sleep(0.001)
+    sub.join(10)
+    v = sub.poll()
+    if v is not None:
+        polled.append(v)
+    return {"digest": digest(model), "polled": polled}
+
+
+def _separate_groups(rank, world, control):
+    """Learners 0 and 1 all-reduce gradients on their own group while rank 0 broadcasts
+    weights to everyone on the control group from another thread."""
+    learners = dist.new_group([0, 1], backend="gloo")
+    model = make_model(rank)
+    bc = WeightBroadcaster(model, src=0, group=control)
+    result = {}
+    def publish_all():
+        for v in (1, 2, 3):
+            bc.publish(v)
+        bc.shutdown()
+
+    if rank == 0:
+        t = threading.Thread(target=publish_all)
+        t.start()
+    elif rank == 2:
+        versions = []
+        while (v := bc.receive()) >= 0:
+            versions.append(v)
+        result["versions"] = versions
+    if rank in (0, 1):
+        total = torch.zeros(1)
+        for i in range(20):
+            g = torch.tensor([float(rank + i)])
+            dist.all_reduce(g, group=learners)
+            total += g
+        result["allreduce"] = total.item()
+    if rank == 0:
+        t.join()
+    if rank == 1:
+        while (v := bc.receive()) >= 0:
+            pass
+    result["digest"] = digest(model)
+    return result
+
+
+SCENARIOS = {"broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
+             "separate_groups": _separate_groups}
+
+
+def run_ranks(scenario, world, timeout=90):
+    out = CTX.Queue()
+    port = free_port()
+    procs = [CTX.Process(target=_worker, args=(r, world, port, scenario, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    try:
+        for _ in range(world):
+            rank, res = out.get(timeout=timeout)
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, v in results.items() if "error" in v}
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_receivers_equal_source_after_broadcast(world):
+    res = run_ranks("broadcast", world)
+    assert res[0]["buckets"] > 1  # 1 KiB buckets force several collectives
+    for r in range(1, world):
+        assert res[r]["digest"] == res[0]["digest"]
+        assert res[r]["seen"] == [1, 2, -1] and res[r]["version"] == 2
+
+
+def test_layout_mismatch_fails_on_every_rank():
+    res = run_ranks("mismatch", 3)
+    for r in range(3):
+        msg = res[r]["mismatch"]
+        assert msg is not None and "rank(s) [2]" in msg
+
+
+def test_subscriber_polls_without_blocking_and_ends_on_newest():
+    res = run_ranks("subscriber", 3)
+    for r in (1, 2):
+        polled = res[r]["polled"]
+        assert polled and polled == sorted(polled) and polled[-1] == 5
+        assert res[r]["digest"] == res[0]["digest"]
+
+
+def test_weight_traffic_on_its_own_group():
+    res = run_ranks("separate_groups", 3)
+    expect = sum((0 + i) + (1 + i) for i in range(20))
+    assert res[0]["allreduce"] == res[1]["allreduce"] == expect
+    assert res[2]["versions"] == [1, 2, 3]
+    assert res[2]["digest"] == res[0]["digest"] == res[1]["digest"]
+
+
+def test_single_rank_world_and_safetensors_checkpoint(tmp_path):
+    from safetensors import safe_open
+
+    port = free_port()
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        model = make_model(0)
+        bc = WeightBroadcaster(model, src=0)
+        bc.publish(3)
+        bc.save(tmp_path / "w.safetensors")
+        with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+            assert f.metadata()["version"] == "3"
+            torch.testing.assert_close(f.get_tensor("0.weight"), model[0].weight.detach())
+        with pytest.raises(ValueError, match="versions must increase"):
+            bc.publish(3)
+    finally:
+        dist.destroy_process_group()
