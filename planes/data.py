@@ -6,9 +6,10 @@ queueing, no reply round trip on the hot path, and backpressure for free: when t
 learner stops reading, its receive high-water mark fills, then each sender's send
 high-water mark, and then ``send`` blocks (up to ``send_timeout_s``) instead of growing
 memory. Liveness does not need a reply path either: every sender also sends small
-heartbeats on a second PUSH socket (its own pipe, so heartbeats are never stuck behind
-data that is held back by backpressure), and the receiver declares a sender dead when
-it has heard nothing for ``peer_timeout_s``.
+heartbeats from a second PUSH socket to a second receiver socket, which the receiver
+keeps reading while it deliberately leaves the data socket unread (backpressure), so a
+slow learner never mistakes a blocked sender for a dead one. A sender is declared dead
+when nothing has been heard from it for ``peer_timeout_s``.
 
 Addresses are not configured by hand: the receiver binds an ``ipc://`` endpoint (same
 host) and a ``tcp://`` endpoint (loopback unless ``bind_host`` says otherwise, random
@@ -46,6 +47,7 @@ from planes.serial import DEFAULT_MAX_BYTES, MessageError, decode, encode
 log = logging.getLogger("dvla.planes.data")
 
 HEARTBEAT_KIND = "_hb"
+_ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
 
 
 @dataclass(kw_only=True)
@@ -120,17 +122,10 @@ class TrajectoryReceiver:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        sock = self.ctx.socket(zmq.PULL)
-        sock.setsockopt(zmq.RCVHWM, self.cfg.recv_hwm)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + (1 << 20))
         self.public_key = None
         self._auth = None
         if self.cfg.curve:
-            public, secret = zmq.curve_keypair()
-            sock.curve_secretkey = secret
-            sock.curve_publickey = public
-            sock.curve_server = True
+            public, self._secret = zmq.curve_keypair()
             self.public_key = public
             if self.cfg.curve_authorized_dir:
                 from zmq.auth.thread import ThreadAuthenticator
@@ -139,50 +134,81 @@ class TrajectoryReceiver:
                 self._auth.start()
                 self._auth.configure_curve(domain="*", location=self.cfg.curve_authorized_dir)
         self.endpoints: dict[str, str] = {"host": _hostname()}
-        if self.cfg.transport in ("auto", "ipc"):
-            path = os.path.join(tempfile.gettempdir(), f"dvla-{uuid.uuid4().hex[:12]}.sock")
-            sock.bind(f"ipc://{path}")
-            self.endpoints["ipc"] = f"ipc://{path}"
-            self._ipc_path = path
-        else:
-            self._ipc_path = None
-        if self.cfg.transport in ("auto", "tcp"):
-            port = sock.bind_to_random_port(f"tcp://{self.cfg.bind_host}")
-            self.endpoints["tcp"] = f"tcp://{self.cfg.bind_host}:{port}"
+        self._ipc_paths: list[str] = []
+        # Data and heartbeats arrive on separate sockets so that liveness is still seen
+        # while the data socket is deliberately left unread (backpressure).
+        self._sock = self._bind("", self.cfg.recv_hwm)
+        self._hb_sock = self._bind("hb_", 64)
         if self.public_key is not None:
             self.endpoints["curve_public_key"] = self.public_key.decode()
-        self._sock = sock
         if store is not None:
             store.set(key, msgpack.packb(self.endpoints))
         self._thread = threading.Thread(target=self._run, name="dvla-data-recv", daemon=True)
         self._thread.start()
 
+    def _bind(self, prefix: str, hwm: int) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + (1 << 20))
+        if self.public_key is not None:
+            sock.curve_secretkey = self._secret
+            sock.curve_publickey = self.public_key
+            sock.curve_server = True
+        if self.cfg.transport in ("auto", "ipc"):
+            path = os.path.join(tempfile.gettempdir(), f"dvla-{uuid.uuid4().hex[:12]}.sock")
+            sock.bind(f"ipc://{path}")
+            self.endpoints[prefix + "ipc"] = f"ipc://{path}"
+            self._ipc_paths.append(path)
+        if self.cfg.transport in ("auto", "tcp"):
+            port = sock.bind_to_random_port(f"tcp://{self.cfg.bind_host}")
+            self.endpoints[prefix + "tcp"] = f"tcp://{self.cfg.bind_host}:{port}"
+        return sock
+
     # -- background thread ---------------------------------------------------------------
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        data_poll = zmq.Poller()
+        data_poll.register(self._sock, zmq.POLLIN)
+        data_poll.register(self._hb_sock, zmq.POLLIN)
+        hb_poll = zmq.Poller()
+        hb_poll.register(self._hb_sock, zmq.POLLIN)
+        held: Message | None = None  # decoded, waiting for room in the queue
+        next_check = 0.0
         try:
             while not self._stop.is_set():
-                if not poller.poll(50):
+                now = time.monotonic()
+                if now >= next_check:
+                    self._drain_heartbeats()
                     self._check_peers()
-                    continue
-                frames = self._sock.recv_multipart(copy=False)
-                msg = self._decode(frames)
-                self._check_peers()
-                if msg is None:
-                    continue
-                while not self._stop.is_set():
-                    try:  # blocking here is the backpressure: we stop reading the socket
-                        self._queue.put(msg, timeout=0.1)
-                        break
+                    next_check = now + 0.05
+                if held is not None:
+                    try:
+                        self._queue.put_nowait(held)
+                        held = None
                     except queue.Full:
-                        self._check_peers()
-                else:
-                    self.counters.dropped["shutdown"] += 1
+                        # Backpressure: leave the data socket unread, keep watching liveness.
+                        hb_poll.poll(20)
+                        continue
+                try:
+                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    data_poll.poll(50)
+                    continue
+                held = self._decode(frames)
+            if held is not None:
+                self.counters.dropped["shutdown"] += 1
         except BaseException as exc:  # surfaced to the consumer by get()
             if not self._stop.is_set():
                 self._error = exc
                 log.exception("data plane receiver failed")
+
+    def _drain_heartbeats(self) -> None:
+        while True:
+            try:
+                frames = self._hb_sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._decode(frames)
 
     def _decode(self, frames) -> Message | None:
         try:
@@ -238,10 +264,12 @@ class TrajectoryReceiver:
         self._stop.set()
         self._thread.join(timeout=5)
         self._sock.close(linger=0)
+        self._hb_sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
-        if self._ipc_path and os.path.exists(self._ipc_path):
-            os.unlink(self._ipc_path)
+        for path in self._ipc_paths:
+            if os.path.exists(path):
+                os.unlink(path)
 
     def __enter__(self):
         return self
@@ -267,27 +295,27 @@ class TrajectorySender:
         self.sender_id = sender_id or f"{_hostname()}:{os.getpid()}"
         self.counters = Counters()
         self.seq = 0
-        self.address = self._pick(endpoints)
+        self.address = self._pick(endpoints, "")
         self._pending: collections.deque = collections.deque()
-        self._data = self._socket(endpoints, self.cfg.send_hwm, client_keys)
-        self._hb = self._socket(endpoints, 4, client_keys)
+        self._data = self._socket(endpoints, self.address, self.cfg.send_hwm, client_keys)
+        self._hb = self._socket(endpoints, self._pick(endpoints, "hb_"), 4, client_keys)
         self._hb_lock = threading.Lock()
         self._stop = threading.Event()
         self._hb_thread = threading.Thread(target=self._heartbeat, name="dvla-data-hb", daemon=True)
         self._hb_thread.start()
 
-    def _pick(self, endpoints: dict[str, str]) -> str:
+    def _pick(self, endpoints: dict[str, str], prefix: str) -> str:
         same_host = endpoints.get("host") == _hostname()
         want = self.cfg.transport
-        if want == "ipc" or (want == "auto" and same_host and "ipc" in endpoints):
-            if "ipc" not in endpoints:
-                raise ValueError("data plane: receiver has no ipc endpoint")
-            return endpoints["ipc"]
-        if "tcp" not in endpoints:
-            raise ValueError("data plane: receiver has no tcp endpoint")
-        return endpoints["tcp"]
+        if want == "ipc" or (want == "auto" and same_host and prefix + "ipc" in endpoints):
+            if prefix + "ipc" not in endpoints:
+                raise ValueError(f"data plane: receiver has no {prefix}ipc endpoint")
+            return endpoints[prefix + "ipc"]
+        if prefix + "tcp" not in endpoints:
+            raise ValueError(f"data plane: receiver has no {prefix}tcp endpoint")
+        return endpoints[prefix + "tcp"]
 
-    def _socket(self, endpoints, hwm: int, client_keys):
+    def _socket(self, endpoints, address: str, hwm: int, client_keys):
         sock = self.ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.LINGER, 2000)
@@ -296,7 +324,7 @@ class TrajectorySender:
             sock.curve_publickey = public
             sock.curve_secretkey = secret
             sock.curve_serverkey = endpoints["curve_public_key"].encode()
-        sock.connect(self.address)
+        sock.connect(address)
         return sock
 
     def _heartbeat(self) -> None:
@@ -316,16 +344,27 @@ class TrajectorySender:
         meta = dict(meta or {})
         seq = self.seq
         meta.update(sender=self.sender_id, seq=seq)
-        frames = encode(kind, tensors, meta)
-        deadline = time.monotonic() + self.cfg.send_timeout_s
-        while not self._data.poll(100, zmq.POLLOUT):
-            if time.monotonic() > deadline:
-                self.counters.dropped["backpressure_timeout"] += 1
-                raise BackpressureTimeout(
-                    f"data plane: receiver at {self.address} took nothing for {self.cfg.send_timeout_s}s")
-        tracker = self._data.send_multipart(frames, copy=False, track=True)
-        # Keep the tensors (whose memory the frames point into) alive until sent.
-        self._pending.append((tracker, frames, tensors))
+        # Large frames go zero-copy and tracked (send_multipart(track=True) would only track
+        # the last part); small ones are cheaper to copy. The tensors whose memory the
+        # tracked frames point into stay referenced until ZeroMQ is done with them.
+        frames = [zmq.Frame(f, track=True) if len(f) >= _ZERO_COPY_MIN else f
+                  for f in encode(kind, tensors, meta)]
+        tracked = [f for f in frames if isinstance(f, zmq.Frame)]
+        deadline = None
+        while True:
+            try:
+                self._data.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:  # backpressure: wait for room, up to send_timeout_s
+                deadline = deadline or time.monotonic() + self.cfg.send_timeout_s
+                if time.monotonic() > deadline:
+                    self.counters.dropped["backpressure_timeout"] += 1
+                    raise BackpressureTimeout(
+                        f"data plane: receiver at {self.address} took nothing for {self.cfg.send_timeout_s}s"
+                    ) from None
+                self._data.poll(100, zmq.POLLOUT)
+        if tracked:
+            self._pending.append((zmq.MessageTracker(*tracked), tensors))
         self.seq += 1
         self.counters.sent += 1
         return seq

@@ -93,7 +93,8 @@ def test_bad_messages_are_counted_and_receiver_survives():
 
 
 def test_backpressure_blocks_sender_with_bounded_buffering():
-    cfg = DataPlaneConfig(transport="ipc", send_hwm=1, recv_hwm=1, recv_queue=1, send_timeout_s=1.0)
+    cfg = DataPlaneConfig(transport="ipc", send_hwm=1, recv_hwm=1, recv_queue=1, send_timeout_s=2.0,
+                          heartbeat_s=0.2, peer_timeout_s=1.0)
     with TrajectoryReceiver(cfg) as rx:
         tx = TrajectorySender(rx.endpoints, cfg, sender_id="fast")
         sent = 0
@@ -104,6 +105,8 @@ def test_backpressure_blocks_sender_with_bounded_buffering():
         # Only a handful fit in the queues and socket buffers; the rest waited.
         assert sent < 20, sent
         assert tx.counters.dropped["backpressure_timeout"] == 1
+        # Blocked for longer than peer_timeout_s, yet its heartbeats kept it alive.
+        assert rx.live_peers == ["fast"] and rx.dead_peers == []
         # Once the learner reads again, everything that was accepted arrives, in order.
         seqs = []
         while (msg := rx.get(timeout=2.0)) is not None:
