@@ -5,12 +5,14 @@ collectives (NCCL between GPUs, gloo on CPUs) in a process group of their own, n
 the learners' gradient group, so weight traffic and gradient all-reduce do not
 interleave on one communicator.
 
-:class:`WeightBroadcaster` packs a module's parameters (and floating buffers) into a
-few flat buckets of at most ``bucket_bytes`` each, grouped by dtype, allocated once.
-Each parameter owns a view into its bucket, so publishing is "copy params into views,
-broadcast the buckets" and receiving is the reverse: a handful of large collectives and
-no allocation per version. Every broadcast is preceded by an int64 version number; a
-negative version is the shutdown signal.
+:class:`WeightBroadcaster` lays a module's parameters (and floating buffers) out in a
+few flat buckets of at most ``bucket_bytes`` each, grouped by dtype, allocated once,
+and rebinds every parameter to a view of its bucket (a flat-parameter layout, as FSDP
+and DDP's bucket views do). Publishing is then a handful of large broadcasts straight
+from the model's own memory, and receiving writes straight into the replica: no packing,
+no unpacking, no allocation per version. Build the broadcaster after the model is on
+its device (moving it later breaks the aliasing, which ``publish``/``receive`` detect).
+Every broadcast is preceded by an int64 version number; a negative one means shutdown.
 
 At construction all ranks compare a checksum of the parameter layout (names, dtypes,
 shapes, bucket size): a rank built with a different model fails with
@@ -43,13 +45,27 @@ class LayoutMismatchError(RuntimeError):
 @dataclass
 class _Bucket:
     flat: Tensor
-    views: list[tuple[Tensor, Tensor]]  # (model tensor, view into flat)
+    names: list[str]
 
 
 def _entries(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """Parameters and floating-point buffers, in a deterministic order."""
     out = [(n, p.data) for n, p in module.named_parameters()]
     out += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
     return out
+
+
+def _rebind(module: nn.Module, name: str, view: Tensor) -> None:
+    """Make parameter/buffer ``name`` of ``module`` live in ``view`` (values copied)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf in owner._parameters:
+        param = owner._parameters[leaf]
+        view.copy_(param.data)
+        param.data = view
+    else:
+        view.copy_(owner._buffers[leaf])
+        owner._buffers[leaf] = view
 
 
 def layout_checksum(entries: list[tuple[str, Tensor]], bucket_bytes: int) -> int:
@@ -106,29 +122,41 @@ class WeightBroadcaster:
                 f"bucket size (this rank: {self.checksum:#x})"
             )
 
+    @torch.no_grad()
     def _build_buckets(self, entries: list[tuple[str, Tensor]]) -> list[_Bucket]:
         buckets: list[_Bucket] = []
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for _, t in entries:
-            by_dtype.setdefault(t.dtype, []).append(t)
-        for dtype, tensors in by_dtype.items():
+        by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+        for name, t in entries:
+            by_dtype.setdefault(t.dtype, []).append((name, t))
+        for dtype, items in by_dtype.items():
             itemsize = torch.empty((), dtype=dtype).element_size()
             cap = max(1, self.bucket_bytes // itemsize)
-            group: list[Tensor] = []
+            group: list[tuple[str, Tensor]] = []
             size = 0
-            for t in tensors + [None]:
-                if t is None or (group and size + t.numel() > cap):
+            for item in items + [None]:
+                if item is None or (group and size + item[1].numel() > cap):
                     flat = torch.empty(size, dtype=dtype, device=self.device)
-                    views, off = [], 0
-                    for g in group:
-                        views.append((g, flat[off : off + g.numel()].view_as(g)))
-                        off += g.numel()
-                    buckets.append(_Bucket(flat, views))
+                    off = 0
+                    for name, t in group:
+                        _rebind(self.module, name, flat[off : off + t.numel()].view_as(t))
+                        off += t.numel()
+                    buckets.append(_Bucket(flat, [n for n, _ in group]))
                     group, size = [], 0
-                if t is not None:
-                    group.append(t)
-                    size += t.numel()
+                if item is not None:
+                    group.append(item)
+                    size += item[1].numel()
+        self._aliases = [(t, t.data_ptr()) for _, t in _entries(self.module)]
         return buckets
+
+    def _check_aliasing(self) -> None:
+        current = _entries(self.module)
+        if len(current) != len(self._aliases) or any(
+            t.data_ptr() != ptr for (_, t), (_, ptr) in zip(current, self._aliases)
+        ):
+            raise RuntimeError(
+                "control plane: the model's parameters no longer live in the broadcast buckets "
+                "(was it moved with .to() or were parameters replaced after the broadcaster was built?)"
+            )
 
     # -- source -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -138,9 +166,7 @@ class WeightBroadcaster:
             raise RuntimeError("publish() is for the source rank; other ranks call receive()")
         if version < 0 or version <= self.version:
             raise ValueError(f"versions must increase and be >= 0: got {version} after {self.version}")
-        for b in self.buckets:
-            for t, view in b.views:
-                view.copy_(t)
+        self._check_aliasing()
         self._broadcast_version(version)
         for b in self.buckets:
             dist.broadcast(b.flat, src=self.src, group=self.group)
@@ -157,10 +183,13 @@ class WeightBroadcaster:
     # -- receivers ------------------------------------------------------------------------------
     @torch.no_grad()
     def receive(self, into: list[Tensor] | None = None) -> int:
-        """Block for the next version; unpack it into the module (or only into the flat
-        tensors ``into``, one per bucket). Returns the version, or ``SHUTDOWN``."""
+        """Block for the next version and write it straight into the module (or, with
+        ``into``, into those flat tensors, one per bucket). Returns the version, or
+        ``SHUTDOWN``."""
         if self.is_src:
             raise RuntimeError("receive() is for non-source ranks")
+        if into is None:
+            self._check_aliasing()
         dist.broadcast(self._version_buf, src=self.src, group=self.group)
         version = int(self._version_buf.item())
         if version == SHUTDOWN:
@@ -169,17 +198,15 @@ class WeightBroadcaster:
         for flat in flats:
             dist.broadcast(flat, src=self.src, group=self.group)
         if into is None:
-            self._unpack(flats)
             self.version = version
         return version
 
-    def _unpack(self, flats: list[Tensor]) -> None:
+    @torch.no_grad()
+    def load_flat(self, flats: list[Tensor], version: int) -> None:
+        """Copy a received set of flat buckets into the model (one copy per bucket)."""
         for b, flat in zip(self.buckets, flats):
-            off = 0
-            for t, _ in b.views:
-                n = t.numel()
-                t.copy_(flat[off : off + n].view_as(t))
-                off += n
+            b.flat.copy_(flat)
+        self.version = version
 
     def staging_buffers(self) -> list[Tensor]:
         """A fresh set of flat tensors shaped like the buckets (for double buffering)."""
@@ -256,8 +283,7 @@ class WeightSubscriber:
             try:
                 if self._ready != r:
                     continue
-                self.bc._unpack(self._bufs[idx])
-                self.bc.version = version
+                self.bc.load_flat(self._bufs[idx], version)
                 return version
             finally:
                 self._locks[idx].release()

@@ -201,8 +201,17 @@ def test_single_rank_world_and_safetensors_checkpoint(tmp_path):
     port = free_port()
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        model = make_model(0)
+        model = make_model(0).eval()
+        x = torch.randn(5, 8)
+        before = model(x)
         bc = WeightBroadcaster(model, src=0)
+        # Parameters now live in the buckets: same values, same Parameter objects, trainable.
+        torch.testing.assert_close(model(x), before)
+        assert model[0].weight.data_ptr() == bc.buckets[0].flat.data_ptr()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(x).sum().backward()
+        opt.step()
+        assert not torch.allclose(model(x), before)
         bc.publish(3)
         bc.save(tmp_path / "w.safetensors")
         with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
@@ -210,5 +219,8 @@ def test_single_rank_world_and_safetensors_checkpoint(tmp_path):
             torch.testing.assert_close(f.get_tensor("0.weight"), model[0].weight.detach())
         with pytest.raises(ValueError, match="versions must increase"):
             bc.publish(3)
+        model[0].weight = torch.nn.Parameter(torch.zeros(32, 8))  # replaced behind our back
+        with pytest.raises(RuntimeError, match="no longer live in the broadcast buckets"):
+            bc.publish(4)
     finally:
         dist.destroy_process_group()
