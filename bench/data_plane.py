@@ -1,17 +1,19 @@
 """Data-plane throughput against raw pyzmq, measured in one run.
 
-A sender process pushes realistic trajectory chunks (64x64 RGB x 32 steps x 8 envs plus
-proprio, actions, log-probs, rewards, masks and versions: ~3.2 MB) to a receiver in this
-process, over ipc:// (or tcp:// on loopback):
+One sender process pushes realistic trajectory chunks (64x64 RGB x 32 steps x 8 envs plus
+proprio, actions, log-probs, rewards, masks and versions: ~3.2 MB) to this process over
+ipc:// (or tcp:// on loopback), alternating in blocks between
 
-* dvla: ``TrajectorySender.send`` -> msgpack envelope + zero-copy tensor frames ->
+* dvla: ``TrajectorySender.send`` -> msgpack envelope + zero-copy tracked tensor frames ->
   ``TrajectoryReceiver`` (strict decode, ``torch.frombuffer``, bounded queue) -> consumer;
-* raw: a PUSH socket sending the same number of bytes as one frame (``copy=False``) to a
-  PULL socket that only receives them.
+* raw: a PUSH socket sending the same number of bytes as one zero-copy frame to a PULL
+  socket that only receives them.
 
-Prints MB/s and messages/s of both and the ratio dvla/raw (target >= 0.9).
+Both paths live in the same two processes for the whole run and each block starts only when
+the receiver asks for it, so both see the same machine state. Prints throughput and the
+median over blocks of the ratio dvla/raw (target >= 0.9).
 
-    python bench/data_plane.py --messages 300 --transport ipc
+    python bench/data_plane.py --messages 200 --blocks 10 --transport ipc
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 import uuid
@@ -46,84 +49,81 @@ def nbytes(chunk) -> int:
     return sum(t.numel() * t.element_size() for t in chunk.values())
 
 
-def _dvla_sender(endpoints, n, transport):
+def _sender(endpoints, raw_address, transport, n, blocks, go):
     chunk = make_chunk()
+    payload = os.urandom(nbytes(chunk))
+    ctx = zmq.Context()
+    raw = ctx.socket(zmq.PUSH)
+    raw.setsockopt(zmq.SNDHWM, 8)
+    raw.connect(raw_address)
     with TrajectorySender(endpoints, DataPlaneConfig(transport=transport), sender_id="bench") as tx:
-        for i in range(n):
-            tx.send("rollout", chunk, {"i": i})
+        for _ in range(2 * blocks + 2):
+            mode = go.recv()
+            for i in range(n):
+                if mode == "raw":
+                    raw.send(payload, copy=False)
+                else:
+                    tx.send("rollout", chunk, {"i": i})
         tx.flush()
-
-
-def _raw_sender(address, n, size):
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PUSH)
-    s.setsockopt(zmq.SNDHWM, 8)
-    s.connect(address)
-    payload = os.urandom(size)
-    for _ in range(n):
-        s.send(payload, copy=False)
-    s.close(linger=-1)
+    raw.close(linger=-1)
     ctx.term()
-
-
-def bench_dvla(n, transport):
-    ctx = mp.get_context("spawn")
-    with TrajectoryReceiver(DataPlaneConfig(transport=transport)) as rx:
-        p = ctx.Process(target=_dvla_sender, args=(rx.endpoints, n + 5, transport))
-        p.start()
-        for _ in range(5):  # warm-up: connection set-up and first allocations
-            rx.get(timeout=60)
-        t0 = time.perf_counter()
-        for _ in range(n):
-            msg = rx.get(timeout=60)
-            assert msg is not None
-            msg.tensors["image"][0, 0, 0, 0, 0].item()  # touch the data
-        dt = time.perf_counter() - t0
-        p.join()
-    return dt
-
-
-def bench_raw(n, size, transport):
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.PULL)
-    s.setsockopt(zmq.RCVHWM, 8)
-    if transport == "ipc":
-        address = f"ipc://{tempfile.gettempdir()}/dvla-bench-{uuid.uuid4().hex[:8]}.sock"
-        s.bind(address)
-    else:
-        address = f"tcp://127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}"
-    p = mp.get_context("spawn").Process(target=_raw_sender, args=(address, n + 5, size))
-    p.start()
-    for _ in range(5):
-        s.recv(copy=False)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        frame = s.recv(copy=False)
-        frame.buffer[0]
-    dt = time.perf_counter() - t0
-    p.join()
-    s.close(linger=0)
-    ctx.term()
-    return dt
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--messages", type=int, default=300)
+    ap.add_argument("--messages", type=int, default=200, help="messages per block")
+    ap.add_argument("--blocks", type=int, default=10, help="blocks of each kind")
     ap.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
-    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    n = args.messages
+
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.PULL)
+    raw.setsockopt(zmq.RCVHWM, 8)
+    if args.transport == "ipc":
+        raw_address = f"ipc://{tempfile.gettempdir()}/dvla-bench-{uuid.uuid4().hex[:8]}.sock"
+        raw.bind(raw_address)
+    else:
+        raw_address = f"tcp://127.0.0.1:{raw.bind_to_random_port('tcp://127.0.0.1')}"
+    rx = TrajectoryReceiver(DataPlaneConfig(transport=args.transport))
+    go, go_child = mp.get_context("spawn").Pipe()
+    proc = mp.get_context("spawn").Process(
+        target=_sender, args=(rx.endpoints, raw_address, args.transport, n, args.blocks, go_child))
+    proc.start()
+
+    def block(mode: str) -> float:
+        go.send(mode)
+        if mode == "raw":
+            raw.recv(copy=False).buffer[0]
+        else:
+            rx.get(timeout=60).tensors["image"][0, 0, 0, 0, 0].item()
+        t0 = time.perf_counter()  # from the first message on: excludes the go round trip
+        for _ in range(n - 1):
+            if mode == "raw":
+                raw.recv(copy=False).buffer[0]
+            else:
+                msg = rx.get(timeout=60)
+                msg.tensors["image"][0, 0, 0, 0, 0].item()
+        return time.perf_counter() - t0
+
+    block("raw"), block("dvla")  # warm-up
+    times = {"raw": [], "dvla": []}
+    for _ in range(args.blocks):
+        for mode in ("raw", "dvla"):
+            times[mode].append(block(mode))
+    proc.join()
+    rx.close()
+    raw.close(linger=0)
+
     size = nbytes(make_chunk())
-    raw_t, dvla_t = [], []
-    for _ in range(args.repeats):  # interleave so both see the same machine noise
-        raw_t.append(bench_raw(args.messages, size, args.transport))
-        dvla_t.append(bench_dvla(args.messages, args.transport))
-    raw, dv = min(raw_t), min(dvla_t)
-    mb = size * args.messages / 1e6
-    print(f"chunk {size / 1e6:.2f} MB, {args.messages} messages, {args.transport}, best of {args.repeats}")
-    print(f"raw pyzmq   {mb / raw:8.1f} MB/s  {args.messages / raw:7.1f} msg/s")
-    print(f"dvla plane  {mb / dv:8.1f} MB/s  {args.messages / dv:7.1f} msg/s")
-    print(f"ratio dvla/raw = {raw / dv:.3f}  (target >= 0.9)")
+    ratios = sorted(r / d for r, d in zip(times["raw"], times["dvla"]))
+    mb = size * (n - 1) / 1e6
+    print(f"chunk {size / 1e6:.2f} MB, {args.blocks} blocks x {n} messages of each kind, {args.transport}")
+    for name in ("raw", "dvla"):
+        med = statistics.median(times[name])
+        print(f"{name:5s} median {mb / med:8.1f} MB/s {(n - 1) / med:7.1f} msg/s   best {mb / min(times[name]):8.1f} MB/s")
+    print(f"ratio dvla/raw per block: {' '.join(f'{r:.2f}' for r in ratios)}")
+    print(f"ratio dvla/raw = {statistics.median(ratios):.3f} (median of blocks; target >= 0.9)")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+_ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in DTYPES.values()}
 # Received frames are read-only; decoded tensors share their memory (clone to modify).
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 _MAX_ENVELOPE = 1 << 20  # 1 MiB of metadata is plenty
@@ -85,9 +86,9 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, 
     """Validate and unpack a message: ``(kind, meta, tensors)``. Raises :class:`MessageError`."""
     if not frames:
         raise MessageError("bad_envelope", "empty message")
-    head = bytes(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0])
-    if len(head) > _MAX_ENVELOPE:
-        raise MessageError("oversized", f"envelope of {len(head)} bytes exceeds {_MAX_ENVELOPE}")
+    head = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
+    if memoryview(head).nbytes > _MAX_ENVELOPE:
+        raise MessageError("oversized", f"envelope of {memoryview(head).nbytes} bytes exceeds {_MAX_ENVELOPE}")
     try:
         env = msgpack.unpackb(head, raw=False, strict_map_key=True, ext_hook=_reject_ext)
     except MessageError:
@@ -112,7 +113,7 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, 
             raise MessageError("bad_tensor", f"duplicate tensor name {name!r}")
         buf = frame.buffer if hasattr(frame, "buffer") else frame
         size = memoryview(buf).nbytes
-        expect = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        expect = math.prod(shape) * _ITEMSIZE[dtype]
         if nbytes != expect or size != nbytes:
             raise MessageError(
                 "bad_tensor", f"tensor {name!r}: shape {shape} {dtype} needs {expect} bytes, "
