@@ -70,9 +70,16 @@ def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = 
             raise ValueError(f"tensor {name!r} is on {t.device}; move it to the CPU before sending")
         if t.dtype not in _DTYPE_NAMES:
             raise ValueError(f"tensor {name!r} has unsupported dtype {t.dtype}")
-        t = t.detach().contiguous()
-        specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape), t.numel() * t.element_size()])
-        frames.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.numel() * _ITEMSIZE[t.dtype]
+        specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape), nbytes])
+        if nbytes == 0:
+            frames.append(b"")
+        elif t.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret as bytes
+            frames.append(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+        else:
+            frames.append(memoryview(t.detach().numpy()).cast("B"))
     envelope = {"v": PROTOCOL_VERSION, "kind": kind, "meta": meta or {}, "tensors": specs}
     frames[0] = msgpack.packb(envelope, use_bin_type=True)
     return frames
