@@ -298,6 +298,7 @@ class TrajectorySender:
         self.address = self._pick(endpoints, "")
         self._pending: collections.deque = collections.deque()
         self._data = self._socket(endpoints, self.address, self.cfg.send_hwm, client_keys)
+        self._data.setsockopt(zmq.SNDTIMEO, int(self.cfg.send_timeout_s * 1000))
         self._hb = self._socket(endpoints, self._pick(endpoints, "hb_"), 4, client_keys)
         self._hb_lock = threading.Lock()
         self._stop = threading.Event()
@@ -350,19 +351,13 @@ class TrajectorySender:
         frames = [zmq.Frame(f, track=True) if len(f) >= _ZERO_COPY_MIN else f
                   for f in encode(kind, tensors, meta)]
         tracked = [f for f in frames if isinstance(f, zmq.Frame)]
-        deadline = None
-        while True:
-            try:
-                self._data.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:  # backpressure: wait for room, up to send_timeout_s
-                deadline = deadline or time.monotonic() + self.cfg.send_timeout_s
-                if time.monotonic() > deadline:
-                    self.counters.dropped["backpressure_timeout"] += 1
-                    raise BackpressureTimeout(
-                        f"data plane: receiver at {self.address} took nothing for {self.cfg.send_timeout_s}s"
-                    ) from None
-                self._data.poll(100, zmq.POLLOUT)
+        try:  # blocks inside libzmq (GIL released) while the receiver applies backpressure
+            self._data.send_multipart(frames, copy=False)
+        except zmq.Again:
+            self.counters.dropped["backpressure_timeout"] += 1
+            raise BackpressureTimeout(
+                f"data plane: receiver at {self.address} took nothing for {self.cfg.send_timeout_s}s"
+            ) from None
         if tracked:
             self._pending.append((zmq.MessageTracker(*tracked), tensors))
         self.seq += 1
