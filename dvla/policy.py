@@ -40,6 +40,11 @@ class PolicySpec:
     action_dim: int
     action_chunk: int = 1
 
+    @classmethod
+    def for_env(cls, env_spec: Any, action_chunk: int = 1) -> "PolicySpec":
+        """The spec of a policy acting in an env with ``env_spec`` (a ``dvla.envs.EnvSpec``)."""
+        return cls(env_spec.image_shape, env_spec.proprio_dim, env_spec.action_dim, action_chunk)
+
 
 @dataclass
 class PolicyOutput:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from dvla.algos import build_algorithm
+from dvla.checkpoint import save_safetensors
 from dvla.config import JobConfig, dump_yaml
 from dvla.envs import make_env
 from dvla.metrics import MetricsLogger
@@ -49,12 +49,8 @@ def allreduce_mean_grads(params: list[torch.nn.Parameter]) -> None:
 
 
 def save_weights(policy: VLAPolicy, path: str | Path, version: int) -> None:
-    """Write the policy's weights as safetensors, atomically (temp file + rename)."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    state = {k: v.detach().cpu().contiguous() for k, v in policy.state_dict().items()}
-    save_file(state, str(tmp), metadata={"version": str(version), "policy": str(policy.registry_name)})
-    tmp.replace(path)
+    """Write the policy's weights as safetensors, with its version and registry name."""
+    save_safetensors(policy.state_dict(), path, {"version": str(version), "policy": str(policy.registry_name)})
 
 
 def episode_stats(batch: RolloutBatch) -> dict[str, float]:
@@ -77,12 +73,7 @@ class SyncTrainer:
         seed = cfg.run.seed
         torch.manual_seed(seed)  # identical initial weights on every rank
         self.env = make_env(cfg.env, self.device, seed=seed + 7919 * rank)
-        spec = PolicySpec(
-            image_shape=self.env.spec.image_shape,
-            proprio_dim=self.env.spec.proprio_dim,
-            action_dim=self.env.spec.action_dim,
-            action_chunk=cfg.policy.action_chunk,
-        )
+        spec = PolicySpec.for_env(self.env.spec, cfg.policy.action_chunk)
         self.policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(self.device).eval()
         distributed = world_size > 1
         if distributed:

@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from dvla.checkpoint import save_safetensors
+
 DEFAULT_BUCKET_BYTES = 32 << 20
 SHUTDOWN = -1
 
@@ -145,14 +147,11 @@ class WeightBroadcaster:
                 if item is not None:
                     group.append(item)
                     size += item[1].numel()
-        self._aliases = [(t, t.data_ptr()) for _, t in _entries(self.module)]
+        self._ptrs = [t.data_ptr() for _, t in _entries(self.module)]
         return buckets
 
     def _check_aliasing(self) -> None:
-        current = _entries(self.module)
-        if len(current) != len(self._aliases) or any(
-            t.data_ptr() != ptr for (_, t), (_, ptr) in zip(current, self._aliases)
-        ):
+        if [t.data_ptr() for _, t in _entries(self.module)] != self._ptrs:
             raise RuntimeError(
                 "control plane: the model's parameters no longer live in the broadcast buckets "
                 "(was it moved with .to() or were parameters replaced after the broadcaster was built?)"
@@ -215,13 +214,8 @@ class WeightBroadcaster:
     # -- checkpoint ---------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write the module's weights as safetensors with version and layout checksum."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        state = {n: t.detach().cpu().contiguous() for n, t in _entries(self.module)}
-        save_file(state, str(tmp), metadata={"version": str(self.version), "layout": f"{self.checksum:#x}"})
-        tmp.replace(path)
+        save_safetensors(dict(_entries(self.module)), path,
+                         {"version": str(self.version), "layout": f"{self.checksum:#x}"})
 
 
 class WeightSubscriber:

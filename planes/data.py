@@ -36,12 +36,13 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 import zmq
 from torch import Tensor
 
+from dvla.config import validate
 from planes.serial import DEFAULT_MAX_BYTES, MessageError, decode, encode
 
 log = logging.getLogger("dvla.planes.data")
@@ -52,7 +53,7 @@ _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracki
 
 @dataclass(kw_only=True)
 class DataPlaneConfig:
-    transport: str = "auto"
+    transport: Literal["auto", "ipc", "tcp"] = "auto"
     """``auto`` (ipc on the same host, tcp across hosts), ``ipc`` or ``tcp``."""
     bind_host: str = "127.0.0.1"
     """Interface the receiver's tcp endpoint binds to; loopback unless configured."""
@@ -69,14 +70,13 @@ class DataPlaneConfig:
     curve: bool = False
     curve_authorized_dir: str | None = None
 
-    def __post_init__(self) -> None:
-        if self.transport not in ("auto", "ipc", "tcp"):
-            raise ValueError(f"data_plane.transport: must be 'auto', 'ipc' or 'tcp', got {self.transport!r}")
-        for name in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"data_plane.{name}: must be >= 1, got {getattr(self, name)}")
+    def _validate(self) -> list[tuple[str, str]]:
+        errs = [(n, f"must be >= 1, got {getattr(self, n)}")
+                for n in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes") if getattr(self, n) < 1]
         if not 0 < self.heartbeat_s < self.peer_timeout_s:
-            raise ValueError("data_plane.heartbeat_s must be > 0 and below data_plane.peer_timeout_s")
+            errs.append(("heartbeat_s", f"must be > 0 and below peer_timeout_s ({self.peer_timeout_s}), "
+                                        f"got {self.heartbeat_s}"))
+        return errs
 
 
 @dataclass
@@ -95,10 +95,6 @@ class Counters:
     rejected: dict[str, int] = field(default_factory=lambda: collections.Counter())
     dropped: dict[str, int] = field(default_factory=lambda: collections.Counter())
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"sent": self.sent, "received": self.received,
-                "rejected": dict(self.rejected), "dropped": dict(self.dropped)}
-
 
 class BackpressureTimeout(TimeoutError):
     """``send`` waited ``send_timeout_s`` for the receiver to take messages."""
@@ -114,6 +110,7 @@ class TrajectoryReceiver:
     def __init__(self, cfg: DataPlaneConfig | None = None, *, store=None, key: str = "dvla/data/0",
                  ctx: zmq.Context | None = None):
         self.cfg = cfg or DataPlaneConfig()
+        validate(self.cfg, "data_plane.")
         self.ctx = ctx or zmq.Context.instance()
         self.counters = Counters()
         self._queue: queue.Queue[Message] = queue.Queue(maxsize=self.cfg.recv_queue)
@@ -291,6 +288,7 @@ class TrajectorySender:
                  sender_id: str | None = None, ctx: zmq.Context | None = None,
                  client_keys: tuple[bytes, bytes] | None = None):
         self.cfg = cfg or DataPlaneConfig()
+        validate(self.cfg, "data_plane.")
         self.ctx = ctx or zmq.Context.instance()
         self.sender_id = sender_id or f"{_hostname()}:{os.getpid()}"
         self.counters = Counters()

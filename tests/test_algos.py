@@ -78,7 +78,7 @@ def test_update_moves_policy_towards_advantage(algo):
     cfg = debug()
     cfg.env.reward_shaping = 1.0
     env = make_env(cfg.env, seed=0)
-    spec = PolicySpec(env.spec.image_shape, env.spec.proprio_dim, env.spec.action_dim)
+    spec = PolicySpec.for_env(env.spec)
     policy = build_policy("tiny_vla", spec, cfg.policy.options)
     acfg = AlgoConfig(name=algo, group_size=4, lr=1e-2, update_epochs=1, minibatches=1, kl_coef=0.1)
     learner = build_algorithm(acfg, policy)

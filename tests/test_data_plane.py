@@ -156,3 +156,12 @@ def test_curve_encryption_and_client_authorisation(tmp_path):
                 pass
             assert rx.get(timeout=1.5) is None
         assert rx.counters.received == 1
+
+
+def test_bad_config_names_the_field():
+    from dvla.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"data_plane\.transport: expected one of 'auto', 'ipc', 'tcp'"):
+        TrajectoryReceiver(DataPlaneConfig(transport="udp"))
+    with pytest.raises(ConfigError, match=r"data_plane\.heartbeat_s: must be > 0 and below peer_timeout_s"):
+        TrajectorySender({}, DataPlaneConfig(heartbeat_s=10.0))

@@ -50,7 +50,7 @@ def test_frames_are_zero_copy_views():
 def test_rollout_batch_round_trip():
     cfg = EnvConfig(name="fast_reach", n_envs=4, image_size=16)
     env = make_env(cfg)
-    spec = PolicySpec(env.spec.image_shape, env.spec.proprio_dim, env.spec.action_dim)
+    spec = PolicySpec.for_env(env.spec)
     policy = build_policy("tiny_vla", spec, {"hidden_dim": 8, "vision_channels": 4, "embed_dim": 4})
     batch = collect_episodes(env, policy, 5, group_size=2, policy_version=3)
     _, meta, got = decode(encode("rollout", batch.to_dict(), {"version": 3}))

@@ -103,9 +103,3 @@ class Algorithm(ABC):
         stats.update({k: float(v) for k, v in pstats.items()})
         stats.update({k: float(v) for k, v in estats.items()})
         return stats
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])

@@ -9,8 +9,8 @@ Action (D=4, in [-1, 1]): end-effector translation ``dx, dy, dz`` (scaled by
 batched inverse kinematics) and the gripper command (> 0 closes).
 Proprio: 9 joint positions + fingertip position (12).
 Camera: one RGB camera per env (``VisOptions(split_envs=True)``), rendered on the CPU
-through EGL (``PYOPENGL_PLATFORM=egl`` is set when there is no ``DISPLAY``); a render
-costs ~15-20 ms per env at 64x64, far more than physics, which is exactly the load the
+through EGL (``PYOPENGL_PLATFORM=egl`` is set when there is no ``DISPLAY``); rendering
+costs far more than physics (bench/RESULTS.md), which is exactly the load the
 swimlane overlaps with model work. ``render=false`` skips the camera.
 
 genesis compiles its kernels on the first ``scene.build`` (~100 s, cached under
