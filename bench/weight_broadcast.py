@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dvla.distributed import shutdown
 from planes.control import WeightBroadcaster, new_control_group
 
 
@@ -81,7 +82,7 @@ def _worker(rank, world, port, args, out):
     if rank == 0:
         out.put({"times": times, "nbytes": bc.nbytes, "buckets": len(bc.buckets), "device": str(device),
                  "backend": dist.get_backend(group)})
-    dist.destroy_process_group()
+    shutdown()
 
 
 def main() -> None:

@@ -15,9 +15,9 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 from dvla.config import ConfigError, apply_overrides, load_yaml
+from dvla.distributed import init_from_env, shutdown
 from dvla.presets import DEFAULT_PRESET, PRESETS, get_preset
 
 
@@ -46,17 +46,6 @@ def parse_config(argv: list[str] | None = None):
     return args, cfg
 
 
-def _init_distributed() -> tuple[int, int]:
-    """Join the process group torchrun describes in the environment (if any)."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend)
-    return dist.get_rank(), dist.get_world_size()
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         args, cfg = parse_config(argv)
@@ -70,16 +59,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from dvla.trainer import SyncTrainer
 
-    rank, world = _init_distributed()
+    rank, world = init_from_env()
+    ok = False
     try:
         if world > 1 and cfg.run.device in ("auto", "cuda") and torch.cuda.is_available():
             cfg.run.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         summary = SyncTrainer(cfg, rank=rank, world_size=world).run()
         if rank == 0:
             print(json.dumps(summary), flush=True)
+        ok = True
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown(barrier=ok)
     return 0
 
 

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dvla.distributed import shutdown
 from planes.control import LayoutMismatchError, WeightBroadcaster, WeightSubscriber, new_control_group
 
 CTX = mp.get_context("spawn")
@@ -43,7 +44,7 @@ def _worker(rank, world, port, scenario, out):
         control = new_control_group()
         result = SCENARIOS[scenario](rank, world, control)
         out.put((rank, result))
-        dist.destroy_process_group()
+        shutdown()
     except BaseException as exc:  # report, do not hang the parent
         out.put((rank, {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
 
@@ -223,4 +224,4 @@ def test_single_rank_world_and_safetensors_checkpoint(tmp_path):
         with pytest.raises(RuntimeError, match="no longer live in the broadcast buckets"):
             bc.publish(4)
     finally:
-        dist.destroy_process_group()
+        shutdown()
