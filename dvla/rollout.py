@@ -1,4 +1,10 @@
-"""Episode collection: run one policy replica on a batched env and record a RolloutBatch."""
+"""Episode collection: run one policy replica on a batched env and record a RolloutBatch.
+
+:class:`EpisodeRecorder` holds the bookkeeping of one batch of episodes (buffers,
+latched ``done``, masks); :func:`collect_episodes` drives it in a plain loop (the
+synchronous trainer), the swimlane's sampling lane drives it step by step with actions
+that come from the inference lane.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,11 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from dvla.envs.base import BatchedEnv
-from dvla.policy import VLAPolicy
-from dvla.types import RolloutBatch
+from dvla.policy import ActOutput, VLAPolicy
+from dvla.types import Observation, RolloutBatch, StepResult
 
 
 @dataclass
@@ -18,6 +25,78 @@ class RolloutTimes:
     sim_s: float = 0.0
     infer_s: float = 0.0
     env_steps: int = 0  # decisions x n_envs actually simulated
+
+
+class EpisodeRecorder:
+    """Records one batch of ``B`` episodes of at most ``episode_len`` decisions.
+
+    Call :meth:`start` with the reset observation (instruction ids filled), then
+    :meth:`record` after every env step until :attr:`finished`, then :meth:`build`
+    (with the bootstrap value of the last observation, if the policy has a value head).
+    """
+
+    def __init__(self, env: BatchedEnv, action_chunk: int, episode_len: int):
+        self.b = env.n_envs
+        self.t_len = episode_len
+        t_len, b = episode_len, self.b
+        self.image = torch.zeros(t_len, b, *env.spec.image_shape, dtype=torch.uint8)
+        self.proprio = torch.zeros(t_len, b, env.spec.proprio_dim)
+        self.actions = torch.zeros(t_len, b, action_chunk, env.spec.action_dim)
+        self.log_probs = torch.zeros(t_len, b)
+        self.values = torch.zeros(t_len + 1, b)
+        self.rewards = torch.zeros(t_len, b)
+        self.terminated = torch.zeros(t_len, b, dtype=torch.bool)
+        self.truncated = torch.zeros(t_len, b, dtype=torch.bool)
+        self.valid = torch.zeros(t_len, b, dtype=torch.bool)
+        self.policy_version = torch.zeros(t_len, b, dtype=torch.long)
+        self.done = torch.zeros(b, dtype=torch.bool)
+        self.success = torch.zeros(b, dtype=torch.bool)
+        self.t = 0
+        self.ids: Tensor | None = None
+        self.obs: Observation | None = None
+
+    def start(self, obs: Observation) -> None:
+        """``obs``: the reset observation with ``instruction_ids`` filled."""
+        self.ids = obs.instruction_ids
+        self.obs = obs
+
+    @property
+    def finished(self) -> bool:
+        return self.t >= self.t_len or bool(self.done.all())
+
+    def record(self, out: ActOutput, res: StepResult, version: int) -> Observation:
+        """Store the decision taken in the current observation and its outcome; returns
+        the next observation (instruction ids reused: constant within an episode)."""
+        t, obs = self.t, self.obs
+        self.image[t] = obs.image.cpu()
+        self.proprio[t] = obs.proprio.cpu()
+        live = ~self.done
+        self.valid[t] = live
+        self.actions[t] = out.actions.cpu()
+        self.log_probs[t] = out.log_probs.cpu()
+        self.values[t] = out.values.cpu()
+        self.policy_version[t] = version
+        self.rewards[t] = res.reward.cpu() * live
+        self.terminated[t] = res.terminated.cpu() & live
+        self.truncated[t] = res.truncated.cpu() & live
+        if t == self.t_len - 1:
+            self.truncated[t] |= live & ~self.terminated[t]
+        self.done |= self.terminated[t] | self.truncated[t]
+        self.success |= res.success.cpu()
+        self.t += 1
+        self.obs = dataclasses.replace(res.obs, instruction_ids=self.ids)
+        return self.obs
+
+    def build(self, group_ids: Tensor, last_value: Tensor | None = None) -> RolloutBatch:
+        """The recorded batch; ``last_value`` bootstraps the value after the last step."""
+        if last_value is not None:
+            self.values[self.t] = last_value.cpu()
+        return RolloutBatch(
+            image=self.image, proprio=self.proprio, instruction_ids=self.ids.cpu(), actions=self.actions,
+            log_probs=self.log_probs, values=self.values, rewards=self.rewards, terminated=self.terminated,
+            truncated=self.truncated, valid=self.valid, policy_version=self.policy_version,
+            success=self.success, group_ids=group_ids,
+        )
 
 
 @torch.no_grad()
@@ -39,33 +118,13 @@ def collect_episodes(
     """
     times = times if times is not None else RolloutTimes()
     policy.eval()
-    b = env.n_envs
-    k = policy.spec.action_chunk
-    d = env.spec.action_dim
-    t_len = episode_len
-
+    rec = EpisodeRecorder(env, policy.spec.action_chunk, episode_len)
     t0 = time.perf_counter()
     obs = env.reset(group_size)
     times.sim_s += time.perf_counter() - t0
     obs = policy.prepare(obs)
-    ids_dev = obs.instruction_ids
-    ids = ids_dev.cpu()
-
-    image = torch.zeros(t_len, b, *env.spec.image_shape, dtype=torch.uint8)
-    proprio = torch.zeros(t_len, b, env.spec.proprio_dim)
-    actions = torch.zeros(t_len, b, k, d)
-    log_probs = torch.zeros(t_len, b)
-    values = torch.zeros(t_len + 1, b)
-    rewards = torch.zeros(t_len, b)
-    terminated = torch.zeros(t_len, b, dtype=torch.bool)
-    truncated = torch.zeros(t_len, b, dtype=torch.bool)
-    valid = torch.zeros(t_len, b, dtype=torch.bool)
-    done = torch.zeros(b, dtype=torch.bool)
-    success = torch.zeros(b, dtype=torch.bool)
-
-    for t in range(t_len):
-        image[t] = obs.image.cpu()
-        proprio[t] = obs.proprio.cpu()
+    rec.start(obs)
+    while not rec.finished:
         t0 = time.perf_counter()
         out = policy.act(obs, generator=generator)
         t1 = time.perf_counter()
@@ -73,42 +132,12 @@ def collect_episodes(
         t2 = time.perf_counter()
         times.infer_s += t1 - t0
         times.sim_s += t2 - t1
-        times.env_steps += b
-        live = ~done
-        valid[t] = live
-        actions[t] = out.actions.cpu()
-        log_probs[t] = out.log_probs.cpu()
-        values[t] = out.values.cpu()
-        rewards[t] = res.reward.cpu() * live
-        terminated[t] = res.terminated.cpu() & live
-        truncated[t] = res.truncated.cpu() & live
-        if t == t_len - 1:
-            truncated[t] |= live & ~terminated[t]
-        done |= terminated[t] | truncated[t]
-        success |= res.success.cpu()
-        # Instructions are constant within an episode: reuse the ids, skip tokenising.
-        obs = dataclasses.replace(res.obs, instruction_ids=ids_dev)
-        if bool(done.all()):
-            break
+        times.env_steps += env.n_envs
+        obs = rec.record(out, res, policy_version)
+    last_value = None
     if policy.has_value_head:
         # Value of the observation after the last executed step (bootstraps truncation).
         t0 = time.perf_counter()
-        values[t + 1] = policy.value(obs).cpu()
+        last_value = policy.value(obs)
         times.infer_s += time.perf_counter() - t0
-
-    groups = torch.arange(b) // group_size + group_offset
-    return RolloutBatch(
-        image=image,
-        proprio=proprio,
-        instruction_ids=ids,
-        actions=actions,
-        log_probs=log_probs,
-        values=values,
-        rewards=rewards,
-        terminated=terminated,
-        truncated=truncated,
-        valid=valid,
-        policy_version=torch.full((t_len, b), policy_version, dtype=torch.long),
-        success=success,
-        group_ids=groups,
-    )
+    return rec.build(torch.arange(env.n_envs) // group_size + group_offset, last_value)

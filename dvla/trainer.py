@@ -33,14 +33,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def allreduce_mean_grads(params: list[torch.nn.Parameter]) -> None:
-    """Average gradients over the default process group, as one flat buffer."""
-    grads = [p.grad for p in params if p.grad is not None]
+def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """Average gradients over ``group`` (default: the default process group) as one flat
+    buffer. A parameter without a gradient counts as zero, so every rank sends the same
+    layout even when some parameters were unused on it."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= dist.get_world_size()
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
     offset = 0
     for g in grads:
         n = g.numel()

@@ -6,7 +6,12 @@ epochs of shuffled minibatches over the valid steps, clipped surrogate, optional
 extra loss terms, gradient averaging across learner ranks, norm clipping.
 
 The surrogate is the decoupled PPO objective (:func:`clipped_policy_loss`): on-policy
-data uses the behaviour log-probs as the proximal ones, which is exactly PPO.
+data uses the behaviour log-probs as the proximal ones, which is exactly PPO. Stale data
+(sampled by weights older than the learner's, as the asynchronous swimlane produces)
+gets proximal log-probs recomputed with the learner's weights at the start of the
+update: the trust region is then taken around the current policy and the lag between
+behaviour and proximal policy is corrected by a truncated importance weight
+(``algo.max_is_weight``).
 """
 
 from __future__ import annotations
@@ -56,8 +61,26 @@ class Algorithm(ABC):
             "old_value": batch.values[t_idx, b_idx],
         }
 
-    def update(self, batch: RolloutBatch, generator: torch.Generator | None = None) -> dict[str, float]:
-        """Learn from one batch; returns averaged diagnostics."""
+    @torch.no_grad()
+    def proximal_log_probs(self, data: dict[str, Tensor], chunk: int = 1024) -> Tensor:
+        """Log-probs of the recorded actions under the current weights (no gradient)."""
+        self.policy.eval()
+        out = []
+        for s in range(0, data["adv"].shape[0], chunk):
+            obs = Observation(image=data["image"][s : s + chunk], proprio=data["proprio"][s : s + chunk],
+                              instruction_ids=data["ids"][s : s + chunk])
+            out.append(self.policy.evaluate(obs, data["actions"][s : s + chunk]).log_probs)
+        return torch.cat(out)
+
+    def update(self, batch: RolloutBatch, generator: torch.Generator | None = None,
+               learner_version: int | None = None) -> dict[str, float]:
+        """Learn from one batch; returns averaged diagnostics.
+
+        ``learner_version``: the version of the weights being trained. Steps recorded with
+        an older ``policy_version`` make the update off-policy: proximal log-probs are
+        recomputed and the importance weights truncated (see the module docstring).
+        Without it (or when every step is current) the update is plain on-policy PPO.
+        """
         device = self.policy.device
         batch = batch.to(device)
         adv, ret = self.advantages(batch)
@@ -65,30 +88,60 @@ class Algorithm(ABC):
         n = data["adv"].shape[0]
         if n == 0:
             return {"samples": 0.0}
+        extra: dict[str, float] = {}
+        if learner_version is not None:
+            lag = (learner_version - batch.policy_version[batch.valid]).float()
+            extra = {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
+            if bool((lag != 0).any()):
+                data["prox_logp"] = self.proximal_log_probs(data)
+                w = (data["prox_logp"] - data["behav_logp"]).exp()
+                extra["is_weight_mean"] = float(w.mean())
+                extra["is_weight_clipped"] = float((w > self.cfg.max_is_weight).float().mean())
         self.policy.train()
         sums: dict[str, float] = {}
         count = 0
-        mb_size = max(1, (n + self.cfg.minibatches - 1) // self.cfg.minibatches)
         for _ in range(self.cfg.update_epochs):
             perm = torch.randperm(n, generator=generator).to(device)
-            for start in range(0, n, mb_size):
-                idx = perm[start : start + mb_size]
+            # Always ``minibatches`` steps per epoch (sizes differ by at most one), so that
+            # learner ranks with different numbers of valid steps stay in lock-step in
+            # their gradient all-reduce.
+            for idx in torch.tensor_split(perm, self.cfg.minibatches):
+                if idx.numel() == 0:
+                    self._empty_step()
+                    continue
                 mb = {k: v[idx] for k, v in data.items()}
                 stats = self._step(mb)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         self.policy.eval()
-        out = {k: v / count for k, v in sums.items()}
+        out = {k: v / max(count, 1) for k, v in sums.items()}
         out["samples"] = float(n)
         out["adv_mean"] = float(adv[batch.valid].mean())
         out["adv_std"] = float(adv[batch.valid].std()) if n > 1 else 0.0
+        out.update(extra)
         return out
+
+    def _empty_step(self) -> None:
+        """A minibatch with no samples (fewer valid steps than minibatches): contribute
+        zero gradients to the learner ranks' all-reduce and apply the averaged gradient
+        like every other rank, so the replicas stay identical."""
+        if self.grad_sync is None:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        self.grad_sync(self.params)
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        self.optimizer.step()
 
     def _step(self, mb: dict[str, Tensor]) -> dict[str, float]:
         obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
         out = self.policy.evaluate(obs, mb["actions"])
-        pl, pstats = clipped_policy_loss(out.log_probs, mb["behav_logp"], mb["adv"], self.cfg.clip_eps)
+        if "prox_logp" in mb:  # off-policy: trust region around the proximal policy
+            pl, pstats = clipped_policy_loss(out.log_probs, mb["prox_logp"], mb["adv"], self.cfg.clip_eps,
+                                             behav_log_probs=mb["behav_logp"],
+                                             max_is_weight=self.cfg.max_is_weight)
+        else:
+            pl, pstats = clipped_policy_loss(out.log_probs, mb["behav_logp"], mb["adv"], self.cfg.clip_eps)
         entropy = out.entropy.mean()
         extra, estats = self.extra_loss(mb, out)
         loss = pl - self.cfg.entropy_coef * entropy + extra
