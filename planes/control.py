@@ -57,6 +57,11 @@ def _entries(module: nn.Module) -> list[tuple[str, Tensor]]:
     return out
 
 
+def module_weights(module: nn.Module) -> list[Tensor]:
+    """The tensors a broadcast carries (parameters, floating buffers), in layout order."""
+    return [t for _, t in _entries(module)]
+
+
 def _rebind(module: nn.Module, name: str, view: Tensor) -> None:
     """Make parameter/buffer ``name`` of ``module`` live in ``view`` (values copied)."""
     owner_name, _, leaf = name.rpartition(".")
@@ -68,6 +73,35 @@ def _rebind(module: nn.Module, name: str, view: Tensor) -> None:
     else:
         view.copy_(owner._buffers[leaf])
         owner._buffers[leaf] = view
+
+
+@torch.no_grad()
+def _layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket_bytes: int,
+                    device: torch.device) -> list[_Bucket]:
+    """Allocate flat buckets (at most ``bucket_bytes``, one dtype each) and rebind every
+    entry of ``module`` to its view in them."""
+    buckets: list[_Bucket] = []
+    by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+    for name, t in entries:
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    for dtype, items in by_dtype.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        cap = max(1, bucket_bytes // itemsize)
+        group: list[tuple[str, Tensor]] = []
+        size = 0
+        for item in items + [None]:
+            if item is None or (group and size + item[1].numel() > cap):
+                flat = torch.empty(size, dtype=dtype, device=device)
+                off = 0
+                for name, t in group:
+                    _rebind(module, name, flat[off : off + t.numel()].view_as(t))
+                    off += t.numel()
+                buckets.append(_Bucket(flat, [n for n, _ in group]))
+                group, size = [], 0
+            if item is not None:
+                group.append(item)
+                size += item[1].numel()
+    return buckets
 
 
 def layout_checksum(entries: list[tuple[str, Tensor]], bucket_bytes: int) -> int:
@@ -124,31 +158,19 @@ class WeightBroadcaster:
                 f"bucket size (this rank: {self.checksum:#x})"
             )
 
-    @torch.no_grad()
     def _build_buckets(self, entries: list[tuple[str, Tensor]]) -> list[_Bucket]:
-        buckets: list[_Bucket] = []
-        by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
-        for name, t in entries:
-            by_dtype.setdefault(t.dtype, []).append((name, t))
-        for dtype, items in by_dtype.items():
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            cap = max(1, self.bucket_bytes // itemsize)
-            group: list[tuple[str, Tensor]] = []
-            size = 0
-            for item in items + [None]:
-                if item is None or (group and size + item[1].numel() > cap):
-                    flat = torch.empty(size, dtype=dtype, device=self.device)
-                    off = 0
-                    for name, t in group:
-                        _rebind(self.module, name, flat[off : off + t.numel()].view_as(t))
-                        off += t.numel()
-                    buckets.append(_Bucket(flat, [n for n, _ in group]))
-                    group, size = [], 0
-                if item is not None:
-                    group.append(item)
-                    size += item[1].numel()
+        buckets = _layout_buckets(self.module, entries, self.bucket_bytes, self.device)
         self._ptrs = [t.data_ptr() for _, t in _entries(self.module)]
         return buckets
+
+    def bind_replica(self, module: nn.Module) -> list[Tensor]:
+        """Lay ``module`` (a second copy of the same model, e.g. a standby inference replica)
+        out in buckets of this broadcaster's layout and return its flat tensors, so that
+        ``receive(into=...)`` writes straight into it. No collective is involved."""
+        entries = _entries(module)
+        if layout_checksum(entries, self.bucket_bytes) != self.checksum:
+            raise LayoutMismatchError("control plane: bind_replica() got a module with a different layout")
+        return [b.flat for b in _layout_buckets(module, entries, self.bucket_bytes, self.device)]
 
     def _check_aliasing(self) -> None:
         if [t.data_ptr() for _, t in _entries(self.module)] != self._ptrs:
@@ -185,20 +207,30 @@ class WeightBroadcaster:
         """Block for the next version and write it straight into the module (or, with
         ``into``, into those flat tensors, one per bucket). Returns the version, or
         ``SHUTDOWN``."""
+        version = self.receive_version()
+        if version != SHUTDOWN:
+            self.receive_buckets(version, into)
+        return version
+
+    def receive_version(self) -> int:
+        """First half of :meth:`receive`: block until the source announces a version (or
+        ``SHUTDOWN``). The caller must then call :meth:`receive_buckets` for that version;
+        splitting lets it choose the destination only once the data is about to arrive."""
         if self.is_src:
             raise RuntimeError("receive() is for non-source ranks")
+        dist.broadcast(self._version_buf, src=self.src, group=self.group)
+        return int(self._version_buf.item())
+
+    @torch.no_grad()
+    def receive_buckets(self, version: int, into: list[Tensor] | None = None) -> None:
+        """Second half of :meth:`receive`: the bucket contents of ``version``."""
         if into is None:
             self._check_aliasing()
-        dist.broadcast(self._version_buf, src=self.src, group=self.group)
-        version = int(self._version_buf.item())
-        if version == SHUTDOWN:
-            return SHUTDOWN
         flats = into if into is not None else [b.flat for b in self.buckets]
         for flat in flats:
             dist.broadcast(flat, src=self.src, group=self.group)
         if into is None:
             self.version = version
-        return version
 
     @torch.no_grad()
     def load_flat(self, flats: list[Tensor], version: int) -> None:
