@@ -97,6 +97,9 @@ class AlgoConfig:
     gae_lambda: float = 0.95
     max_grad_norm: float = 1.0
     adv_eps: float = 1e-6
+    max_is_weight: float = 2.0
+    """Off-policy correction: cap of the importance weight pi_proximal / pi_behaviour
+    applied to steps sampled with older weights (decoupled PPO objective)."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -119,6 +122,8 @@ class AlgoConfig:
                 errs.append((name, f"must be >= 0, got {getattr(self, name)}"))
         if self.max_grad_norm <= 0:
             errs.append(("max_grad_norm", f"must be > 0, got {self.max_grad_norm}"))
+        if self.max_is_weight < 1:
+            errs.append(("max_is_weight", f"must be >= 1, got {self.max_is_weight}"))
         return errs
 
 
@@ -127,7 +132,7 @@ class RunConfig:
     """Length of the run, seeding, device and outputs."""
 
     iterations: int = 50
-    """Rollout -> learn -> publish cycles."""
+    """Learner updates (in the synchronous trainer: rollout -> learn -> publish cycles)."""
     seed: int = 0
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
@@ -155,6 +160,45 @@ class RunConfig:
 
 
 @dataclass(kw_only=True)
+class SwimlaneConfig:
+    """How the four lanes (sampling, inference, gradient, broadcast) run and overlap."""
+
+    mode: Literal["async", "sync"] = "async"
+    """``async``: lanes overlap, rollouts run ahead on slightly stale weights (bounded by
+    ``max_staleness``). ``sync``: the same lanes with barriers (sample, then learn, then
+    publish, then sample with the new weights), the baseline."""
+    env_groups: int = 2
+    """Env groups per rollout rank, each a batched env of ``env.n_envs``; in async mode one
+    group steps while the others wait for actions."""
+    learner_ranks: int = 1
+    """Ranks ``0..learner_ranks-1`` learn (gradients averaged between them)."""
+    colocate: bool = True
+    """Learner ranks also run rollout lanes. With false they only learn and publish."""
+    max_staleness: int = 1
+    """Drop chunks whose oldest step was chosen by weights more than this many versions
+    behind the learner's (0: on-policy only)."""
+    chunks_per_update: int = 1
+    """Chunks (one env group's batch of episodes each) per learner update; ``sync`` mode
+    uses one chunk from every rollout group instead."""
+    broadcast_every: int = 1
+    """Publish weights after every N learner updates (sync mode needs 1)."""
+    queue_size: int = 4
+    """Capacity of the chunk queue between sampling and learning (backpressure beyond)."""
+    trace: bool = True
+    """Record lane spans to ``trace.json`` in the run directory (``dvla trace`` draws them)."""
+
+    def _validate(self) -> list[tuple[str, str]]:
+        errs = [(n, f"must be >= 1, got {getattr(self, n)}")
+                for n in ("env_groups", "learner_ranks", "chunks_per_update", "broadcast_every", "queue_size")
+                if getattr(self, n) < 1]
+        if self.max_staleness < 0:
+            errs.append(("max_staleness", f"must be >= 0, got {self.max_staleness}"))
+        if self.mode == "sync" and self.broadcast_every != 1:
+            errs.append(("broadcast_every", f"must be 1 in sync mode, got {self.broadcast_every}"))
+        return errs
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     """Everything a training job needs."""
 
@@ -162,6 +206,7 @@ class JobConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    swimlane: SwimlaneConfig = field(default_factory=SwimlaneConfig)
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []

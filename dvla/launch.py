@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import traceback
 
 import torch
 
@@ -57,19 +59,26 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from dvla.trainer import SyncTrainer
+    from swimlane import Swimlane
 
     rank, world = init_from_env()
-    ok = False
     try:
         if world > 1 and cfg.run.device in ("auto", "cuda") and torch.cuda.is_available():
             cfg.run.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        summary = SyncTrainer(cfg, rank=rank, world_size=world).run()
-        if rank == 0:
-            print(json.dumps(summary), flush=True)
-        ok = True
-    finally:
-        shutdown(barrier=ok)
+        lanes = Swimlane(cfg, rank=rank, world_size=world)
+        signal.signal(signal.SIGTERM, lambda *_: lanes.request_stop())
+        summary = lanes.run()
+    except BaseException:
+        if world == 1:
+            raise
+        # A peer may be blocked in a collective that can never complete now: report and
+        # leave without the teardown barrier (torchrun then stops the other ranks).
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    if rank == 0:
+        print(json.dumps(summary), flush=True)
+    shutdown()
     return 0
 
 

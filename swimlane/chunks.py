@@ -1,0 +1,144 @@
+"""How trajectory chunks travel from the sampling lane to the gradient lane.
+
+A chunk is one env group's batch of episodes (a :class:`RolloutBatch`) plus a little
+metadata (producing rank and group, a per-sender sequence number). In one process it
+goes through a bounded in-process queue; across processes over the ZeroMQ data plane
+(:mod:`planes.data`), where each tensor is a zero-copy frame. Both sides of both paths
+have the same small interface: ``put(batch, meta)`` and ``get(timeout)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from typing import Any
+
+import torch
+
+from dvla.types import RolloutBatch
+from planes.data import TrajectoryReceiver, TrajectorySender
+
+CHUNK_KIND = "chunk"
+END_KIND = "end"
+FIELDS = {f.name: f for f in dataclasses.fields(RolloutBatch)}
+_DTYPES = {"image": torch.uint8, "instruction_ids": torch.int64, "policy_version": torch.int64,
+           "group_ids": torch.int64, "terminated": torch.bool, "truncated": torch.bool, "valid": torch.bool,
+           "success": torch.bool}
+
+
+class ChunkError(ValueError):
+    """A received chunk does not describe a valid RolloutBatch."""
+
+
+def batch_from_tensors(tensors: dict[str, torch.Tensor]) -> RolloutBatch:
+    """Check names, dtypes and shapes of received tensors and build the batch."""
+    missing = FIELDS.keys() - tensors.keys()
+    extra = tensors.keys() - FIELDS.keys()
+    if missing or extra:
+        raise ChunkError(f"chunk fields: missing {sorted(missing)}, unexpected {sorted(extra)}")
+    for name, t in tensors.items():
+        want = _DTYPES.get(name, torch.float32)
+        if t.dtype != want:
+            raise ChunkError(f"chunk field {name}: dtype {t.dtype}, expected {want}")
+    t_len, b = tensors["rewards"].shape if tensors["rewards"].dim() == 2 else (-1, -1)
+    lead = {"image": (t_len, b), "proprio": (t_len, b), "actions": (t_len, b), "log_probs": (t_len, b),
+            "rewards": (t_len, b), "terminated": (t_len, b), "truncated": (t_len, b), "valid": (t_len, b),
+            "policy_version": (t_len, b), "values": (t_len + 1, b), "success": (b,), "group_ids": (b,),
+            "instruction_ids": (b,)}
+    for name, shape in lead.items():
+        if t_len < 0 or tuple(tensors[name].shape[: len(shape)]) != shape:
+            raise ChunkError(f"chunk field {name}: shape {tuple(tensors[name].shape)} does not start with {shape}")
+    return RolloutBatch(**tensors)
+
+
+def concat(batches: list[RolloutBatch]) -> RolloutBatch:
+    """Join chunks along the env dimension (all have the same ``T``)."""
+    if len(batches) == 1:
+        return batches[0]
+    per_env = {"success", "group_ids", "instruction_ids"}
+    return RolloutBatch(**{
+        name: torch.cat([getattr(b, name) for b in batches], dim=0 if name in per_env else 1)
+        for name in FIELDS
+    })
+
+
+class LocalChunks:
+    """In-process, bounded: ``put`` blocks while the learner is ``capacity`` chunks behind."""
+
+    def __init__(self, capacity: int):
+        self._q: queue.Queue = queue.Queue(maxsize=capacity)
+
+    def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event) -> bool:
+        while not stop.is_set():
+            try:
+                self._q.put((batch, meta), timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def end(self, meta: dict[str, Any]) -> None:
+        pass
+
+    def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any]] | None:
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def depth(self) -> int:
+        return self._q.qsize()
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteChunkSink:
+    """Rollout side of the data plane."""
+
+    def __init__(self, sender: TrajectorySender):
+        self.sender = sender
+
+    def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event) -> bool:
+        self.sender.send(CHUNK_KIND, batch.to_dict(), meta)
+        return True
+
+    def end(self, meta: dict[str, Any]) -> None:
+        self.sender.send(END_KIND, {}, meta)
+
+    def close(self) -> None:
+        self.sender.close()
+
+
+class RemoteChunkSource:
+    """Learner side of the data plane; invalid chunks are counted and skipped."""
+
+    def __init__(self, receiver: TrajectoryReceiver):
+        self.receiver = receiver
+        self.ended: set[str] = set()
+        self.invalid = 0
+
+    def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any]] | None:
+        msg = self.receiver.get(timeout=timeout)
+        if msg is None:
+            return None
+        if msg.kind == END_KIND:
+            self.ended.add(msg.sender)
+            return None
+        try:
+            if msg.kind != CHUNK_KIND:
+                raise ChunkError(f"unexpected message kind {msg.kind!r}")
+            return batch_from_tensors(msg.tensors), msg.meta
+        except ChunkError as exc:
+            self.invalid += 1
+            self.receiver.counters.rejected["invalid_chunk"] += 1
+            logging.getLogger("dvla.swimlane").error("rejected chunk from %s: %s", msg.sender, exc)
+            return None
+
+    def depth(self) -> int:
+        return self.receiver._queue.qsize()
+
+    def close(self) -> None:
+        self.receiver.close()

@@ -1,0 +1,551 @@
+"""The swimlane: four overlapping lanes per rank.
+
+* **sampling** steps the env groups. In ``async`` mode it keeps every group's next
+  action request in flight: while the inference lane computes actions for one group,
+  it steps another, so the simulator does not idle waiting on the model. Finished
+  batches of episodes ("chunks") go to the learner (a bounded in-process queue, or the
+  ZeroMQ data plane across processes); a slow learner blocks this lane (backpressure).
+* **inference** takes all pending requests, runs one batched forward on the newest
+  weights (double-buffered: :mod:`swimlane.weights`) and stamps each step with the
+  weights version that chose it.
+* **gradient** takes chunks, drops those more than ``max_staleness`` versions old
+  (counted), and updates with the decoupled PPO objective (proximal log-probs
+  recomputed for stale steps, truncated importance weights). Several learner ranks
+  average gradients. Every ``broadcast_every`` updates it hands a snapshot of the weights
+  to the broadcast lane (one in-memory copy) and goes on learning.
+* **broadcast** publishes the snapshot: into the local inference replica, and over the
+  control plane (:mod:`planes.control`) to the other ranks, whose own broadcast lane
+  receives it straight into their standby replica.
+
+Roles: ranks ``< swimlane.learner_ranks`` learn; rollout lanes run on the other ranks
+and, with ``colocate``, on the learner ranks too. One process runs all four lanes.
+
+``sync`` mode runs the same lanes with barriers: each env group is stepped only after
+its actions are back, and a new round of episodes starts only once the weights learned
+from the previous round have arrived. With one env group this is the synchronous
+trainer exactly (the tests check it); it is the baseline of ``bench/async_vs_sync.py``.
+
+An exception in any lane stops the run and is re-raised by :meth:`Swimlane.run` as a
+:class:`LaneError` carrying that lane's traceback.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dvla.algos import build_algorithm
+from dvla.config import ConfigError, JobConfig, dump_yaml
+from dvla.envs import make_env
+from dvla.metrics import MetricsLogger
+from dvla.policy import ActOutput, PolicySpec, build_policy
+from dvla.rollout import EpisodeRecorder
+from dvla.trainer import allreduce_mean_grads, episode_stats, resolve_device, save_weights
+from dvla.types import Observation, RolloutBatch
+from planes.control import SHUTDOWN, WeightBroadcaster, module_weights, new_control_group
+from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
+from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, concat
+from swimlane.trace import Tracer, utilization
+from swimlane.weights import DoubleBufferedWeights
+
+log = logging.getLogger("dvla.swimlane")
+_POLL_S = 0.05
+
+
+class LaneError(RuntimeError):
+    """A lane raised; the message carries the lane's name and traceback."""
+
+    def __init__(self, lane: str, exc: BaseException, tb: str):
+        super().__init__(f"swimlane lane '{lane}' failed: {type(exc).__name__}: {exc}\n{tb}")
+        self.lane = lane
+        self.original = exc
+
+
+@dataclass
+class _Request:
+    group: int
+    kind: str  # "act" | "value"
+    obs: Observation
+
+
+def _cat_obs(obs: list[Observation]) -> Observation:
+    if len(obs) == 1:
+        return obs[0]
+    return Observation(image=torch.cat([o.image for o in obs]), proprio=torch.cat([o.proprio for o in obs]),
+                       instruction_ids=torch.cat([o.instruction_ids for o in obs]))
+
+
+def env_steps(batch: RolloutBatch) -> int:
+    """Env steps simulated for a chunk: decisions taken x envs (as the sync trainer counts)."""
+    return int(batch.valid.any(dim=1).sum()) * batch.num_envs
+
+
+class Swimlane:
+    def __init__(self, cfg: JobConfig, rank: int = 0, world_size: int = 1,
+                 data_plane: DataPlaneConfig | None = None):
+        cfg.validate()
+        sl = cfg.swimlane
+        if sl.learner_ranks > world_size:
+            raise ConfigError(f"swimlane.learner_ranks: {sl.learner_ranks} learner ranks need at least that "
+                              f"many processes, the world has {world_size}")
+        if not sl.colocate and sl.learner_ranks == world_size:
+            raise ConfigError("swimlane.colocate: false leaves no rank to run rollouts; add processes or "
+                              "lower swimlane.learner_ranks")
+        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.sl = sl
+        if cfg.run.torch_threads:
+            torch.set_num_threads(cfg.run.torch_threads)
+        self.device = resolve_device(cfg.run.device)
+        self.is_learner = rank < sl.learner_ranks
+        self.is_rollout = not self.is_learner or sl.colocate
+        self.rollout_ranks = [r for r in range(world_size) if r >= sl.learner_ranks or sl.colocate]
+        self.group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1
+        self.iterations = cfg.run.iterations
+        self.out_dir = Path(cfg.run.out_dir)
+        self.tracer = Tracer(sl.trace)
+        self.stop_event = threading.Event()  # hard stop: error or request_stop()
+        self.rollout_stop = threading.Event()  # the learner is done: rollout lanes wind down
+        self.learner_done = threading.Event()
+        self.errors: list[LaneError] = []
+
+        # Same construction order as the synchronous trainer, so seeds give equal weights.
+        seed = cfg.run.seed
+        torch.manual_seed(seed)
+        first_env = make_env(cfg.env, self.device, seed=seed + 7919 * rank)
+        spec = PolicySpec.for_env(first_env.spec, cfg.policy.action_chunk)
+        self.policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(self.device).eval()
+        self.envs = []
+        if self.is_rollout:
+            self.envs = [first_env] + [make_env(cfg.env, self.device, seed=seed + 7919 * rank + 15485863 * g)
+                                       for g in range(1, sl.env_groups)]
+        else:
+            first_env.close()  # only its spec was needed
+
+        # Process groups (every rank must create every group, in the same order).
+        self.learner_group = self.control_group = None
+        if world_size > 1:
+            self.learner_group = dist.new_group(list(range(sl.learner_ranks)))
+            self.control_group = new_control_group()
+
+        if self.is_learner:
+            sync = None
+            if sl.learner_ranks > 1:
+                sync = partial(allreduce_mean_grads, group=self.learner_group)
+            self.algo = build_algorithm(cfg.algo, self.policy, sync)
+            self.learn_gen = torch.Generator().manual_seed(seed + 2)
+        self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 104729 * rank + 1)
+
+        self._setup_weights(cfg)
+        self._setup_data_plane(data_plane or DataPlaneConfig())
+
+        # Lane state.
+        self.version = 0
+        self._requests: queue.Queue[_Request] = queue.Queue()
+        self._replies: queue.Queue = queue.Queue()
+        self._snap_ready = threading.Event()
+        self._snap_free = threading.Event()
+        self._snap_free.set()
+        self._snap_version = -1
+        self.counters = {"chunks_sent": 0, "chunks_consumed": 0, "dropped_stale": 0, "publishes": 0,
+                         "publish_skipped_busy": 0, "env_steps_sampled": 0}
+        self.history: list[dict[str, Any]] = []
+        self._start_time = time.perf_counter()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _setup_weights(self, cfg: JobConfig) -> None:
+        """Inference replicas (double-buffered), the learner's snapshot and the broadcaster."""
+        self.bc = None
+        self.snapshot = None
+        self.weights = None
+        replicas = [copy.deepcopy(self.policy).requires_grad_(False) for _ in range(2)]
+        if self.world_size == 1:
+            self.snapshot = copy.deepcopy(self.policy).requires_grad_(False)
+            self.snap_flats = module_weights(self.snapshot)
+            self.weights = DoubleBufferedWeights(replicas, [module_weights(r) for r in replicas])
+            return
+        if self.rank == 0:
+            self.snapshot = copy.deepcopy(self.policy).requires_grad_(False)
+            self.bc = WeightBroadcaster(self.snapshot, src=0, group=self.control_group)
+            self.snap_flats = [b.flat for b in self.bc.buckets]
+            flats = [self.bc.bind_replica(r) for r in replicas]
+        else:
+            self.bc = WeightBroadcaster(replicas[0], src=0, group=self.control_group)
+            flats = [[b.flat for b in self.bc.buckets], self.bc.bind_replica(replicas[1])]
+        self.weights = DoubleBufferedWeights(replicas, flats)
+
+    def _setup_data_plane(self, dp: DataPlaneConfig) -> None:
+        """Local queue in one process; otherwise every learner rank binds a receiver and
+        each rollout rank sends to learner ``index % learner_ranks``."""
+        self.source = self.sink = None
+        self.expected_senders: list[str] = []
+        if self.world_size == 1:
+            self.source = self.sink = LocalChunks(self.sl.queue_size)
+            return
+        store = dist.distributed_c10d._get_default_store()
+        n_learn = self.sl.learner_ranks
+        if self.is_learner:
+            dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": self.sl.queue_size})
+            self.source = RemoteChunkSource(TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{self.rank}"))
+            self.expected_senders = [f"rank{r}" for i, r in enumerate(self.rollout_ranks) if i % n_learn == self.rank]
+        if self.is_rollout:
+            target = self.rollout_ranks.index(self.rank) % n_learn
+            endpoints = lookup_endpoints(store, key=f"dvla/data/{target}")
+            self.sink = RemoteChunkSink(TrajectorySender(endpoints, dp, sender_id=f"rank{self.rank}"))
+
+    # -- lane plumbing ---------------------------------------------------------------------
+    def _lane(self, name: str, fn) -> threading.Thread:
+        def body():
+            try:
+                fn()
+            except BaseException as exc:  # any failure ends the run with this lane's traceback
+                self.errors.append(LaneError(name, exc, traceback.format_exc()))
+                self.stop_event.set()
+                self.rollout_stop.set()
+
+        t = threading.Thread(target=body, name=f"dvla-{name}", daemon=True)
+        t.start()
+        return t
+
+    def request_stop(self) -> None:
+        """Stop every lane soon (signal handlers call this); ``run`` then returns."""
+        self.stop_event.set()
+        self.rollout_stop.set()
+
+    def _rollout_stopping(self) -> bool:
+        return self.rollout_stop.is_set() or self.stop_event.is_set()
+
+    # -- sampling lane ---------------------------------------------------------------------
+    def _sampling_lane(self) -> None:
+        tr = self.tracer
+        with tr.span("sampling", "wait"):
+            if not self.weights.wait_for(0, self.rollout_stop):
+                return
+        G = len(self.envs)
+        n_rollout = len(self.rollout_ranks)
+        ridx = self.rollout_ranks.index(self.rank)
+        n_groups = self.cfg.env.n_envs // self.group_size
+        chunk_idx = [0] * G
+        recs: list[EpisodeRecorder | None] = [None] * G
+        K = self.cfg.policy.action_chunk
+        has_value = self.policy.has_value_head
+
+        def start(g: int) -> None:
+            with tr.span("sampling", "reset"):
+                obs = self.policy.prepare(self.envs[g].reset(self.group_size))
+                recs[g] = EpisodeRecorder(self.envs[g], K, self.cfg.env.episode_len)
+                recs[g].start(obs)
+            self._requests.put(_Request(g, "act", obs))
+
+        def emit(g: int, last_value) -> None:
+            offset = ((chunk_idx[g] * n_rollout + ridx) * G + g) * n_groups
+            batch = recs[g].build(torch.arange(self.cfg.env.n_envs) // self.group_size + offset, last_value)
+            meta = {"rank": self.rank, "group": g, "chunk": chunk_idx[g]}
+            chunk_idx[g] += 1
+            with tr.span("sampling", "send"):
+                if self.sink.put(batch, meta, self.rollout_stop):
+                    self.counters["chunks_sent"] += 1
+
+        def on_reply(g: int, kind: str, out, version: int) -> bool:
+            """Advance group ``g``; True when its batch of episodes is complete."""
+            if kind == "value":
+                emit(g, out)
+                return True
+            with tr.span("sampling", "sim"):
+                res = self.envs[g].step(out.actions)
+            obs = recs[g].record(out, res, version)
+            if not recs[g].finished:
+                self._requests.put(_Request(g, "act", obs))
+                return False
+            if has_value:
+                self._requests.put(_Request(g, "value", obs))
+                return False
+            emit(g, None)
+            return True
+
+        def next_reply():
+            with tr.span("sampling", "wait"):
+                while not self._rollout_stopping():
+                    try:
+                        return self._replies.get(timeout=_POLL_S)
+                    except queue.Empty:
+                        continue
+            return None
+
+        if self.sl.mode == "async":
+            for g in range(G):
+                start(g)
+            while (item := next_reply()) is not None:
+                if on_reply(*item):
+                    start(item[0])
+        else:
+            round_ = 0
+            while not self._rollout_stopping():
+                with tr.span("sampling", "wait"):  # barrier: the weights learned from the last round
+                    if not self.weights.wait_for(round_, self.rollout_stop):
+                        break
+                for g in range(G):
+                    start(g)
+                    while (item := next_reply()) is not None and not on_reply(*item):
+                        pass
+                    if item is None:
+                        break
+                round_ += 1
+        if self.sink is not None and not self.stop_event.is_set():
+            self.sink.end({"rank": self.rank, "chunks": self.counters["chunks_sent"]})
+
+    # -- inference lane --------------------------------------------------------------------
+    @torch.no_grad()
+    def _inference_lane(self) -> None:
+        tr = self.tracer
+        while not self._rollout_stopping():
+            try:
+                reqs = [self._requests.get(timeout=_POLL_S)]
+            except queue.Empty:
+                continue
+            if self.sl.mode == "async":
+                while True:
+                    try:
+                        reqs.append(self._requests.get_nowait())
+                    except queue.Empty:
+                        break
+            policy, version = self.weights.acquire()
+            for kind in ("act", "value"):
+                batch = [r for r in reqs if r.kind == kind]
+                if not batch:
+                    continue
+                with tr.span("inference", "infer" if kind == "act" else "value"):
+                    obs = _cat_obs([r.obs for r in batch])
+                    if kind == "act":
+                        out = policy.act(obs, generator=self.sample_gen)
+                    else:
+                        out = policy.value(obs)
+                    start = 0
+                    for r in batch:
+                        n = r.obs.batch_size
+                        if kind == "act":
+                            part = ActOutput(actions=out.actions[start : start + n],
+                                             log_probs=out.log_probs[start : start + n],
+                                             values=out.values[start : start + n])
+                        else:
+                            part = out[start : start + n]
+                        self._replies.put((r.group, kind, part, version))
+                        start += n
+
+    # -- gradient lane ---------------------------------------------------------------------
+    def _chunks_per_update(self) -> int:
+        if self.sl.mode == "async":
+            return self.sl.chunks_per_update
+        if self.world_size == 1:
+            return self.sl.env_groups
+        return self.sl.env_groups * len(self.expected_senders)
+
+    def _gradient_lane(self) -> None:
+        tr = self.tracer
+        need = self._chunks_per_update()
+        lead = self.rank == 0
+        logger = MetricsLogger(self.out_dir, self.iterations, enabled=lead, progress=self.cfg.run.progress)
+        steps_total = 0
+        try:
+            while self.version < self.iterations and not self.stop_event.is_set():
+                chunks: list[RolloutBatch] = []
+                while len(chunks) < need and not self.stop_event.is_set():
+                    with tr.span("gradient", "wait"):
+                        item = self.source.get(timeout=_POLL_S)
+                    if item is None:
+                        continue
+                    batch, _meta = item
+                    steps = env_steps(batch)
+                    self.counters["env_steps_sampled"] += steps
+                    lag = self.version - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
+                    if lag > self.sl.max_staleness:
+                        self.counters["dropped_stale"] += 1
+                        tr.add("gradient", "stale_drop", time.perf_counter(), time.perf_counter())
+                        continue
+                    steps_total += steps
+                    chunks.append(batch)
+                if len(chunks) < need:
+                    break
+                batch = concat(chunks)
+                self.counters["chunks_consumed"] += len(chunks)
+                t0 = time.perf_counter()
+                with tr.span("gradient", "learn"):
+                    learn = self.algo.update(batch, self.learn_gen, learner_version=self.version)
+                learn_s = time.perf_counter() - t0
+                self.version += 1
+                stats, steps_global = self._global_stats(batch, steps_total)
+                wall = time.perf_counter() - self._start_time
+                m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
+                     "env_steps_per_s": steps_global / wall, "learn_s": learn_s,
+                     "dropped_stale": self.counters["dropped_stale"], "queue_depth": self.source.depth(),
+                     **stats, **learn}
+                self.history.append(logger.log(self.version - 1, m))
+                if lead and (self.version % self.sl.broadcast_every == 0 or self.version == self.iterations):
+                    self._handoff(wait=self.sl.mode == "sync" or self.version == self.iterations)
+        finally:
+            logger.close()
+            self.learner_done.set()
+
+    def _global_stats(self, batch: RolloutBatch, steps_total: int) -> tuple[dict[str, float], int]:
+        stats = episode_stats(batch)
+        if self.sl.learner_ranks == 1:
+            return stats, steps_total
+        t = torch.tensor([stats["success_rate"], stats["return_mean"], stats["episode_len_mean"],
+                          float(steps_total)], dtype=torch.float64)
+        dist.all_reduce(t, group=self.learner_group)
+        t[:3] /= self.sl.learner_ranks
+        return dict(zip(stats, t[:3].tolist())), int(t[3])
+
+    def _handoff(self, wait: bool) -> None:
+        """Give the broadcast lane a snapshot of the current weights (one copy), unless it
+        is still sending the previous one and ``wait`` is false: then this version is
+        skipped and a later one goes out (newest weights win)."""
+        while wait and not self._snap_free.wait(_POLL_S):
+            if self.stop_event.is_set():
+                return
+        if not self._snap_free.is_set():
+            self.counters["publish_skipped_busy"] += 1
+            return
+        self._snap_free.clear()
+        with self.tracer.span("gradient", "snapshot"), torch.no_grad():
+            torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))
+        self._snap_version = self.version
+        self._snap_ready.set()
+
+    # -- broadcast lane --------------------------------------------------------------------
+    def _publish(self, version: int) -> None:
+        with self.tracer.span("broadcast", "publish"):
+            if self.bc is not None:
+                self.bc.publish(version)
+            if self.is_rollout:
+                self.weights.write(version, self.snap_flats)
+        self.counters["publishes"] += 1
+
+    def _broadcast_lane(self) -> None:
+        """Rank 0: publish version 0 (the initial weights), then every snapshot handed over."""
+        with torch.no_grad():
+            torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))
+        self._publish(0)
+        last = 0
+        while not self.stop_event.is_set():
+            if not self._snap_ready.wait(_POLL_S):
+                if self.learner_done.is_set() and not self._snap_ready.is_set():
+                    break
+                continue
+            self._snap_ready.clear()
+            last = self._snap_version
+            self._publish(last)
+            self._snap_free.set()
+            if last >= self.iterations:
+                break
+        if self.bc is not None:
+            self.bc.shutdown()
+        self.rollout_stop.set()
+
+    def _receive_lane(self) -> None:
+        """Other ranks: receive every published version into the standby replica."""
+        while True:
+            version = self.bc.receive_version()  # idle until the learner publishes
+            if version == SHUTDOWN:
+                break
+            # Pick the standby replica only now: until the data arrives, a version that is
+            # ready but not yet picked up by the inference lane stays available to it.
+            idx = self.weights.begin_write()
+            with self.tracer.span("broadcast", "receive"):
+                self.bc.receive_buckets(version, into=self.weights.flats[idx])
+            self.weights.commit(idx, version)
+        self.rollout_stop.set()
+
+    # -- run -------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Run until the learner has made ``run.iterations`` updates (or a stop); returns
+        the run summary on every rank (rank 0's has the learning results)."""
+        cfg = self.cfg
+        if self.rank == 0:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, self.out_dir / "config.yaml")
+        self._start_time = time.perf_counter()
+        threads = []
+        if self.is_learner:
+            threads.append(self._lane("gradient", self._gradient_lane))
+        if self.rank == 0:
+            threads.append(self._lane("broadcast", self._broadcast_lane))
+        else:
+            threads.append(self._lane("broadcast", self._receive_lane))
+        if self.is_rollout:
+            threads.append(self._lane("inference", self._inference_lane))
+            threads.append(self._lane("sampling", self._sampling_lane))
+        try:
+            drained = False
+            while any(t.is_alive() for t in threads) and not self.errors:
+                if not drained and self.is_learner and self.learner_done.is_set() and self.world_size > 1:
+                    self._drain()
+                    drained = True
+                for t in threads:
+                    t.join(timeout=_POLL_S)
+        except KeyboardInterrupt:
+            self.request_stop()
+            raise
+        finally:
+            if self.errors:
+                self.request_stop()
+            for t in threads:
+                t.join(timeout=5.0)
+            self._close()
+        if self.errors:
+            raise self.errors[0]
+        return self._finish()
+
+    def _drain(self) -> None:
+        """After the last update: read (and discard) what rollout ranks still send until
+        each has said it ended, so none stays blocked on backpressure."""
+        deadline = time.monotonic() + 60.0
+        while not self.expected_senders_ended() and time.monotonic() < deadline and not self.stop_event.is_set():
+            if self.source.get(timeout=_POLL_S) is not None:
+                self.source.receiver.counters.dropped["run_ended"] += 1
+
+    def expected_senders_ended(self) -> bool:
+        src = self.source
+        gone = set(src.ended) | set(src.receiver.dead_peers())
+        return all(s in gone for s in self.expected_senders)
+
+    def _close(self) -> None:
+        for env in self.envs:
+            env.close()
+        if self.sink is not None and self.world_size > 1:
+            self.sink.close()
+        if self.source is not None and self.world_size > 1:
+            self.source.close()
+
+    def _finish(self) -> dict[str, Any]:
+        wall = time.perf_counter() - self._start_time
+        util = utilization(self.tracer.spans)
+        summary: dict[str, Any] = {
+            "mode": self.sl.mode, "rank": self.rank, "iterations": self.iterations, "version": self.version,
+            "wall_s": wall, **self.counters,
+            "weight_swaps": self.weights.swaps,
+            "lane_utilization": {k: round(v["utilization"], 4) for k, v in util.items()},
+        }
+        if self.is_learner:
+            steps = self.history[-1]["env_steps"] if self.history else 0
+            summary.update(env_steps=steps, env_steps_per_s=steps / wall if wall > 0 else 0.0,
+                           final_success_rate=self.history[-1]["success_rate"] if self.history else None)
+        if self.sl.trace:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            name = "trace.json" if self.rank == 0 else f"trace_rank{self.rank}.json"
+            self.tracer.save(self.out_dir / name, rank=self.rank, mode=self.sl.mode)
+        if self.rank == 0:
+            save_weights(self.policy, self.out_dir / "weights.safetensors", self.version)
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
