@@ -51,6 +51,7 @@ HEARTBEAT_KIND = "_hb"
 _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
 _ALIGN = 64  # small tensors share one receive buffer, each starting on this boundary
 _DISCARD = bytearray()  # recv_into an empty buffer drops a frame
+_SNDMORE = int(zmq.SNDMORE)  # a plain int: combining flag enums per frame costs more than the send
 
 
 @dataclass(kw_only=True)
@@ -383,7 +384,9 @@ class TrajectorySender:
                   for f in encode(kind, tensors, meta)]
         tracked = [f for f in frames if isinstance(f, zmq.Frame)]
         try:  # blocks inside libzmq (GIL released) while the receiver applies backpressure
-            self._data.send_multipart(frames, copy=False)
+            for f in frames[:-1]:  # send_multipart, without its per-frame type checks and flag enums
+                self._data.send(f, _SNDMORE, copy=False)
+            self._data.send(frames[-1], 0, copy=False)
         except zmq.Again:
             self.counters.dropped["backpressure_timeout"] += 1
             raise BackpressureTimeout(
