@@ -17,6 +17,11 @@ port) and publishes both, with its host name, in the torch.distributed store tha
 torchrun already runs. A sender on the same host uses ipc, others tcp.
 
 Messages use :mod:`planes.serial` (msgpack envelope, raw tensor frames, never pickle).
+The receiver validates the envelope before it reads any data frame, so it knows each
+frame's size: large tensors (>= 64 KiB) stay in their ZeroMQ frames (zero-copy,
+read-only), small ones are received with ``recv_into`` into one fresh buffer per message
+(writable, owned by that message's tensors). A frame of another size than declared, or
+a missing or extra frame, rejects the message and the rest of its parts are dropped.
 Malformed messages are counted by reason and logged; the receiver keeps running.
 Optional CurveZMQ encryption (``curve=True``): the receiver's public key travels
 through the store; with ``curve_authorized_dir`` only clients whose public keys are
