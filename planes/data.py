@@ -48,7 +48,14 @@ import zmq
 from torch import Tensor
 
 from dvla.config import validate
-from planes.serial import DEFAULT_MAX_BYTES, MessageError, as_tensor, check_frame, decode_envelope, encode
+from planes.serial import (
+    DEFAULT_MAX_BYTES,
+    MessageError,
+    as_tensor,
+    check_frame,
+    decode_envelope,
+    encode,
+)
 
 log = logging.getLogger("dvla.planes.data")
 
