@@ -17,6 +17,11 @@ port) and publishes both, with its host name, in the torch.distributed store tha
 torchrun already runs. A sender on the same host uses ipc, others tcp.
 
 Messages use :mod:`planes.serial` (msgpack envelope, raw tensor frames, never pickle).
+The receiver validates the envelope before it reads any data frame, so it knows each
+frame's size: large tensors (>= 64 KiB) stay in their ZeroMQ frames (zero-copy,
+read-only), small ones are received with ``recv_into`` into one fresh buffer per message
+(writable, owned by that message's tensors). A frame of another size than declared, or
+a missing or extra frame, rejects the message and the rest of its parts are dropped.
 Malformed messages are counted by reason and logged; the receiver keeps running.
 Optional CurveZMQ encryption (``curve=True``): the receiver's public key travels
 through the store; with ``curve_authorized_dir`` only clients whose public keys are
@@ -43,12 +48,22 @@ import zmq
 from torch import Tensor
 
 from dvla.config import validate
-from planes.serial import DEFAULT_MAX_BYTES, MessageError, decode, encode
+from planes.serial import (
+    DEFAULT_MAX_BYTES,
+    MessageError,
+    as_tensor,
+    check_frame,
+    decode_envelope,
+    encode,
+)
 
 log = logging.getLogger("dvla.planes.data")
 
 HEARTBEAT_KIND = "_hb"
 _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
+_ALIGN = 64  # small tensors share one receive buffer, each starting on this boundary
+_DISCARD = bytearray()  # recv_into an empty buffer drops a frame
+_SNDMORE = int(zmq.SNDMORE)  # a plain int: combining flag enums per frame costs more than the send
 
 
 @dataclass(kw_only=True)
@@ -187,11 +202,9 @@ class TrajectoryReceiver:
                         hb_poll.poll(20)
                         continue
                 try:
-                    frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    held = self._receive(self._sock)
                 except zmq.Again:
                     data_poll.poll(50)
-                    continue
-                held = self._decode(frames)
             if held is not None:
                 self.counters.dropped["shutdown"] += 1
         except BaseException as exc:  # surfaced to the consumer by get()
@@ -202,18 +215,51 @@ class TrajectoryReceiver:
     def _drain_heartbeats(self) -> None:
         while True:
             try:
-                frames = self._hb_sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                self._receive(self._hb_sock)
             except zmq.Again:
                 return
-            self._decode(frames)
 
-    def _decode(self, frames) -> Message | None:
+    def _receive(self, sock: zmq.Socket) -> Message | None:
+        """Receive and decode the next message; raises ``zmq.Again`` when none is waiting.
+
+        The envelope is checked before any data frame is read, so each frame's size is
+        known: large ones are taken zero-copy from ZeroMQ, the small ones are received
+        straight into one buffer per message (no frame object, no allocation each)."""
+        head = sock.recv(flags=zmq.NOBLOCK, copy=False)
+        more = head.more
         try:
-            kind, meta, tensors = decode(frames, self.cfg.max_message_bytes)
+            kind, meta, specs = decode_envelope(head.buffer, self.cfg.max_message_bytes)
+            offsets, small = [], 0
+            for spec in specs:
+                offsets.append(small)
+                if spec.nbytes < _ZERO_COPY_MIN:
+                    small += -(-spec.nbytes // _ALIGN) * _ALIGN
+            shared = bytearray(small)
+            view = memoryview(shared)
+            tensors: dict[str, Tensor] = {}
+            for i, (spec, off) in enumerate(zip(specs, offsets)):
+                if not more:
+                    raise MessageError("bad_frames", f"{len(specs)} tensors declared but {i} data frames received")
+                if spec.nbytes >= _ZERO_COPY_MIN:
+                    frame = sock.recv(flags=zmq.NOBLOCK, copy=False)  # the parts of a message arrive together
+                    more = frame.more
+                    check_frame(spec, len(frame.buffer))
+                    tensors[spec.name] = as_tensor(frame.buffer, spec)
+                else:
+                    # recv_into returns the frame's real size: a larger frame was truncated.
+                    size = sock.recv_into(view[off:off + spec.nbytes], flags=zmq.NOBLOCK)
+                    more = sock.getsockopt(zmq.RCVMORE)
+                    check_frame(spec, size)
+                    tensors[spec.name] = as_tensor(shared, spec, off)
+            if more:
+                raise MessageError("bad_frames", f"more than the {len(specs)} declared data frames received")
             sender, seq = meta.get("sender"), meta.get("seq")
             if not isinstance(sender, str) or not isinstance(seq, int):
                 raise MessageError("bad_envelope", "meta must carry 'sender' (str) and 'seq' (int)")
         except MessageError as exc:
+            while more:  # drop the rest of the message
+                sock.recv_into(_DISCARD, flags=zmq.NOBLOCK)
+                more = sock.getsockopt(zmq.RCVMORE)
             self.counters.rejected[exc.reason] += 1
             log.error("data plane: rejected message: %s", exc)
             return None
@@ -350,7 +396,9 @@ class TrajectorySender:
                   for f in encode(kind, tensors, meta)]
         tracked = [f for f in frames if isinstance(f, zmq.Frame)]
         try:  # blocks inside libzmq (GIL released) while the receiver applies backpressure
-            self._data.send_multipart(frames, copy=False)
+            for f in frames[:-1]:  # send_multipart, without its per-frame type checks and flag enums
+                self._data.send(f, _SNDMORE, copy=False)
+            self._data.send(frames[-1], 0, copy=False)
         except zmq.Again:
             self.counters.dropped["backpressure_timeout"] += 1
             raise BackpressureTimeout(

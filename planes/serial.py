@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import torch
@@ -48,6 +48,15 @@ _ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in DTYPES.values()
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 _MAX_ENVELOPE = 1 << 20  # 1 MiB of metadata is plenty
 _MAX_DIMS = 8
+
+
+class TensorSpec(NamedTuple):
+    """One entry of the envelope's tensor list, validated."""
+
+    name: str
+    dtype: torch.dtype
+    shape: list[int]
+    nbytes: int
 
 
 class MessageError(ValueError):
@@ -93,7 +102,21 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, 
     """Validate and unpack a message: ``(kind, meta, tensors)``. Raises :class:`MessageError`."""
     if not frames:
         raise MessageError("bad_envelope", "empty message")
-    head = frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]
+    kind, meta, specs = decode_envelope(_buffer(frames[0]), max_bytes)
+    if len(frames) != len(specs) + 1:
+        raise MessageError("bad_frames", f"{len(specs)} tensors declared but {len(frames) - 1} data frames received")
+    tensors: dict[str, Tensor] = {}
+    for spec, frame in zip(specs, frames[1:]):
+        buf = _buffer(frame)
+        check_frame(spec, memoryview(buf).nbytes)
+        tensors[spec.name] = as_tensor(buf, spec)
+    return kind, meta, tensors
+
+
+def decode_envelope(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, dict[str, Any], list[TensorSpec]]:
+    """Validate frame 0 alone: ``(kind, meta, specs)``, each spec's byte count checked against
+    its dtype and shape and their sum against ``max_bytes``, so that a receiver knows how big
+    every data frame must be before reading it. Raises :class:`MessageError`."""
     if memoryview(head).nbytes > _MAX_ENVELOPE:
         raise MessageError("oversized", f"envelope of {memoryview(head).nbytes} bytes exceeds {_MAX_ENVELOPE}")
     try:
@@ -107,45 +130,52 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, 
         raise MessageError("bad_envelope", f"envelope must have keys v, kind, meta, tensors; got {keys}")
     if env["v"] != PROTOCOL_VERSION:
         raise MessageError("bad_version", f"protocol version {env['v']!r}, expected {PROTOCOL_VERSION}")
-    kind, meta, specs = env["kind"], env["meta"], env["tensors"]
-    if not isinstance(kind, str) or not isinstance(meta, dict) or not isinstance(specs, list):
+    kind, meta, raw_specs = env["kind"], env["meta"], env["tensors"]
+    if not isinstance(kind, str) or not isinstance(meta, dict) or not isinstance(raw_specs, list):
         raise MessageError("bad_envelope", "kind must be a string, meta a map and tensors a list")
-    if len(frames) != len(specs) + 1:
-        raise MessageError("bad_frames", f"{len(specs)} tensors declared but {len(frames) - 1} data frames received")
-    tensors: dict[str, Tensor] = {}
-    total = 0
-    for spec, frame in zip(specs, frames[1:]):
-        name, dtype, shape, nbytes = _check_spec(spec)
-        if name in tensors:
-            raise MessageError("bad_tensor", f"duplicate tensor name {name!r}")
-        buf = frame.buffer if hasattr(frame, "buffer") else frame
-        size = memoryview(buf).nbytes
-        expect = math.prod(shape) * _ITEMSIZE[dtype]
-        if nbytes != expect or size != nbytes:
-            raise MessageError(
-                "bad_tensor", f"tensor {name!r}: shape {shape} {dtype} needs {expect} bytes, "
-                f"declared {nbytes}, frame has {size}")
-        total += size
-        if total > max_bytes:
-            raise MessageError("oversized", f"message exceeds {max_bytes} bytes")
-        if size == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
-        else:
-            tensors[name] = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
-    return kind, meta, tensors
+    specs = [_check_spec(s) for s in raw_specs]
+    if len({s.name for s in specs}) != len(specs):
+        raise MessageError("bad_tensor", f"duplicate tensor name in {[s.name for s in specs]!r:.80}")
+    if sum(s.nbytes for s in specs) > max_bytes:
+        raise MessageError("oversized", f"message exceeds {max_bytes} bytes")
+    return kind, meta, specs
 
 
-def _check_spec(spec: Any) -> tuple[str, torch.dtype, list[int], int]:
+def check_frame(spec: TensorSpec, size: int) -> None:
+    """A data frame of ``size`` bytes must hold exactly the tensor its spec declares."""
+    if size != spec.nbytes:
+        raise MessageError("bad_tensor", f"tensor {spec.name!r}: {spec.dtype} {spec.shape} needs {spec.nbytes} "
+                                         f"bytes, frame has {size}")
+
+
+def as_tensor(buf: Any, spec: TensorSpec, offset: int = 0) -> Tensor:
+    """The tensor ``spec`` describes, sharing the memory of ``buf`` from byte ``offset`` on
+    (the caller has checked that the bytes are there)."""
+    if spec.nbytes == 0:
+        return torch.empty(spec.shape, dtype=spec.dtype)
+    count = spec.nbytes // _ITEMSIZE[spec.dtype]
+    return torch.frombuffer(buf, dtype=spec.dtype, count=count, offset=offset).view(spec.shape)
+
+
+def _buffer(frame: Any) -> Any:
+    return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+def _check_spec(spec: Any) -> TensorSpec:
     if not (isinstance(spec, list) and len(spec) == 4):
         raise MessageError("bad_tensor", f"tensor spec must be [name, dtype, shape, nbytes], got {spec!r:.80}")
     name, dtype, shape, nbytes = spec
     if not isinstance(name, str) or not name:
         raise MessageError("bad_tensor", f"tensor name must be a non-empty string, got {name!r:.40}")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list here is unhashable
         raise MessageError("bad_tensor", f"tensor {name!r}: dtype {dtype!r:.40} not in {sorted(DTYPES)}")
-    if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape)):
+    if (type(shape) is not list or len(shape) > _MAX_DIMS  # type() is: bool is not a size
+            or not all(type(d) is int and 0 <= d < 2**40 for d in shape)):
         raise MessageError("bad_tensor", f"tensor {name!r}: bad shape {shape!r:.80}")
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+    if type(nbytes) is not int or nbytes < 0:
         raise MessageError("bad_tensor", f"tensor {name!r}: bad byte count {nbytes!r:.40}")
-    return name, DTYPES[dtype], shape, nbytes
+    expect = math.prod(shape) * _ITEMSIZE[DTYPES[dtype]]
+    if nbytes != expect:
+        raise MessageError("bad_tensor", f"tensor {name!r}: shape {shape} {dtype} needs {expect} bytes, "
+                                         f"declared {nbytes}")
+    return TensorSpec(name, DTYPES[dtype], shape, nbytes)

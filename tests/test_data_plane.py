@@ -92,6 +92,51 @@ def test_bad_messages_are_counted_and_receiver_survives():
         raw.close(linger=0)
 
 
+def test_frames_that_disagree_with_the_envelope_are_rejected_whole():
+    """The receiver reads data frames by the sizes the envelope declares; a frame of another
+    size, or a missing or extra frame, rejects that message and drops all of its parts."""
+    with TrajectoryReceiver(DataPlaneConfig(transport="tcp")) as rx:
+        raw = zmq.Context.instance().socket(zmq.PUSH)
+        raw.connect(rx.endpoints["tcp"])
+        tensors = {"small": torch.arange(4), "big": torch.zeros(64 * 1024, dtype=torch.uint8)}
+        env, small, big = encode("rollout", tensors, {"sender": "s", "seq": 0})
+        small, big = bytes(small), bytes(big)
+        bad = [
+            [env, small[:-1], big],  # small frame short
+            [env, small + b"x", big],  # small frame long: truncated by recv_into, still rejected
+            [env, small, big[:-1]],  # large (zero-copy) frame short
+            [env, small],  # missing frame
+            [env, small, big, b"extra"],  # extra frame
+        ]
+        for frames in bad:
+            raw.send_multipart(frames)
+        good = {"small": torch.arange(4) * 3, "big": torch.full((64 * 1024,), 7, dtype=torch.uint8)}
+        raw.send_multipart(encode("rollout", good, {"sender": "s", "seq": 1}))
+        msg = rx.get(timeout=10)
+        assert msg is not None and msg.seq == 1  # nothing of a bad message was taken for a new one
+        assert all(torch.equal(msg.tensors[k], v) for k, v in good.items())
+        assert rx.counters.rejected == {"bad_tensor": 3, "bad_frames": 2}, rx.counters.rejected
+        assert rx.counters.received == 1
+        raw.close(linger=0)
+
+
+def test_received_tensors_are_writable_and_never_shared_between_messages():
+    cfg = DataPlaneConfig(transport="ipc")
+    with TrajectoryReceiver(cfg) as rx, TrajectorySender(rx.endpoints, cfg, sender_id="s") as tx:
+        for i in range(3):
+            tx.send("rollout", chunk(0, i))
+        msgs = [rx.get(timeout=10) for _ in range(3)]
+        for i, msg in enumerate(msgs):
+            for k, v in chunk(0, i).items():
+                assert torch.equal(msg.tensors[k], v), (i, k)
+        small = msgs[0].tensors["proprio"]
+        small += 1  # small tensors live in a buffer of their own message, not a shared one
+        assert torch.equal(small, chunk(0, 0)["proprio"] + 1)
+        assert torch.equal(msgs[1].tensors["proprio"], chunk(0, 1)["proprio"])
+        pointers = {t.untyped_storage().data_ptr() for m in msgs for t in m.tensors.values()}
+        assert len(pointers) >= 2 * len(msgs)  # large tensor + small-tensor buffer, per message
+
+
 def test_backpressure_blocks_sender_with_bounded_buffering():
     cfg = DataPlaneConfig(transport="ipc", send_hwm=1, recv_hwm=1, recv_queue=1, send_timeout_s=2.0,
                           heartbeat_s=0.2, peer_timeout_s=1.0)

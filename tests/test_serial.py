@@ -76,6 +76,8 @@ def envelope(**over):
         ([envelope()], "bad_frames"),  # missing data frame
         ([envelope(), b"\x00" * 8, b"x"], "bad_frames"),  # extra frame
         ([envelope(tensors=[["a", "object", [2], 8]]), b"\x00" * 8], "bad_tensor"),
+        ([envelope(tensors=[["a", ["float32"], [2], 8]]), b"\x00" * 8], "bad_tensor"),  # unhashable dtype
+        ([envelope(tensors=[["a", "float32", [True, 2], 8]]), b"\x00" * 8], "bad_tensor"),
         ([envelope(tensors=[["a", "float32", [-2], 8]]), b"\x00" * 8], "bad_tensor"),
         ([envelope(tensors=[["a", "float32", [3], 8]]), b"\x00" * 8], "bad_tensor"),
         ([envelope(tensors=[["a", "float32", [2]]]), b"\x00" * 8], "bad_tensor"),
