@@ -14,7 +14,7 @@ setup(
         # would download a multi-GB CUDA build. genesis-world does not declare torch.
         "torch==2.13.0",
         "genesis-world==1.4.5",
-        "pyzmq>=25",
+        "pyzmq>=27",  # Socket.recv_into
         "msgpack>=1.0",
         "safetensors>=0.4",
         "uvloop>=0.19",
@@ -22,9 +22,10 @@ setup(
         "pyyaml>=6",
         "tqdm>=4.60",
         "gymnasium>=1.0",
+        "matplotlib>=3.7",  # swimlane Gantt charts
     ],
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6"],
     },
-    entry_points={"console_scripts": ["dvla-train=dvla.launch:main"]},
+    entry_points={"console_scripts": ["dvla=dvla.cli:main", "dvla-train=dvla.launch:main"]},
 )

@@ -148,7 +148,8 @@ class Swimlane:
         self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 104729 * rank + 1)
 
         self._setup_weights(cfg)
-        self._setup_data_plane(data_plane or DataPlaneConfig())
+        # Few chunks in flight: every buffered chunk is one that ages while it waits.
+        self._setup_data_plane(data_plane or DataPlaneConfig(send_hwm=1, recv_hwm=1))
 
         # Lane state.
         self.version = 0
@@ -241,7 +242,20 @@ class Swimlane:
         K = self.cfg.policy.action_chunk
         has_value = self.policy.has_value_head
 
+        # Admission control (async): the learner consumes chunks_per_update chunks per
+        # version from all rollout ranks together, so this rank's chunk number c belongs
+        # to version ~ c * n_rollout / (chunks_per_update * learner_ranks). Starting it
+        # with weights more than max_staleness versions older than that would only
+        # produce data the learner drops: wait for newer weights instead.
+        per_version = self.sl.chunks_per_update * self.sl.learner_ranks / n_rollout
+        started = 0
+
+        def version_needed() -> int:
+            return int(started / per_version) - self.sl.max_staleness
+
         def start(g: int) -> None:
+            nonlocal started
+            started += 1
             with tr.span("sampling", "reset"):
                 obs = self.policy.prepare(self.envs[g].reset(self.group_size))
                 recs[g] = EpisodeRecorder(self.envs[g], K, self.cfg.env.episode_len)
@@ -284,11 +298,25 @@ class Swimlane:
             return None
 
         if self.sl.mode == "async":
-            for g in range(G):
-                start(g)
-            while (item := next_reply()) is not None:
+            parked = list(range(G))  # groups waiting to start a new batch of episodes
+
+            def start_admitted() -> None:
+                while parked and self.weights.latest_version >= version_needed():
+                    start(parked.pop(0))
+
+            start_admitted()
+            while not self._rollout_stopping():
+                if len(parked) == G:  # every group throttled: wait for newer weights
+                    with tr.span("sampling", "throttle"):
+                        self.weights.wait_for(version_needed(), self.rollout_stop)
+                    start_admitted()
+                    continue
+                item = next_reply()
+                if item is None:
+                    break
                 if on_reply(*item):
-                    start(item[0])
+                    parked.append(item[0])
+                    start_admitted()
         else:
             round_ = 0
             while not self._rollout_stopping():
@@ -517,7 +545,7 @@ class Swimlane:
 
     def expected_senders_ended(self) -> bool:
         src = self.source
-        gone = set(src.ended) | set(src.receiver.dead_peers())
+        gone = set(src.ended) | set(src.receiver.dead_peers)
         return all(s in gone for s in self.expected_senders)
 
     def _close(self) -> None:

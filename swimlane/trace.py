@@ -17,7 +17,7 @@ from typing import Iterator
 
 LANES = ("sampling", "inference", "gradient", "broadcast")
 COLORS = {
-    "sim": "#4c72b0", "reset": "#8172b2", "wait": "#dddddd", "infer": "#dd8452", "value": "#c44e52",
+    "sim": "#4c72b0", "reset": "#8172b2", "wait": "#dddddd", "throttle": "#eeeeaa", "infer": "#dd8452", "value": "#c44e52",
     "learn": "#55a868", "stale_drop": "#937860", "publish": "#da8bc3", "receive": "#8c8c8c",
     "snapshot": "#ccb974", "send": "#64b5cd",
 }
@@ -57,7 +57,7 @@ def load_trace(path: str | os.PathLike) -> tuple[dict, list[tuple[str, str, floa
     return data.get("meta", {}), [tuple(s) for s in data["spans"]]
 
 
-def utilization(spans, idle_kinds=("wait",)) -> dict[str, dict[str, float]]:
+def utilization(spans, idle_kinds=("wait", "throttle")) -> dict[str, dict[str, float]]:
     """Per lane: busy seconds (spans not of an idle kind), idle seconds and busy fraction
     over the traced wall time (first span start to last span end)."""
     if not spans:
