@@ -10,7 +10,7 @@ the overlap: the sync run's stage times (simulation, inference, learning, broadc
 taken from its trace) summed, divided by the largest, and capped by the CPU cores.
 Targets: async/sync >= 0.9 x bound, and >= 1.6 where the stages are comparable.
 
-    python bench/async_vs_sync.py --render-cost-ms 3 --iterations 24 --repeats 3
+    python bench/async_vs_sync.py --render-cost-ms 9 --iterations 24 --repeats 3
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def run(mode: str, args, out: Path) -> tuple[float, list]:
     cfg = apply_overrides(fast_reach(), [
         f"swimlane.mode={mode}", f"run.iterations={args.iterations}", f"env.n_envs={args.envs}",
         f"env.image_size={args.image}", "env.episode_len=12", f"env.options.render_cost_ms={args.render_cost_ms}",
-        "swimlane.env_groups=2", "swimlane.chunks_per_update=2", "swimlane.max_staleness=1",
+        f"swimlane.env_groups={args.groups}", f"swimlane.chunks_per_update={args.groups}",
+        "swimlane.max_staleness=1",
         f"run.torch_threads={args.threads}", "run.progress=false", f"run.out_dir={out}",
     ])
     summary = Swimlane(cfg).run()
@@ -53,7 +54,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=24)
     ap.add_argument("--envs", type=int, default=32)
     ap.add_argument("--image", type=int, default=32)
-    ap.add_argument("--render-cost-ms", type=float, default=3.0)
+    ap.add_argument("--render-cost-ms", type=float, default=9.0)
+    ap.add_argument("--groups", type=int, default=2, help="env groups per rank (= chunks per update)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (shared by inference and learning)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--gantt", default="bench/swimlane_gantt.png")
