@@ -62,6 +62,7 @@ from swimlane.weights import DoubleBufferedWeights
 
 log = logging.getLogger("dvla.swimlane")
 _POLL_S = 0.05
+_THROTTLE_S = 2.0  # longest a rollout rank waits for newer weights while producing nothing
 
 
 class LaneError(RuntimeError):
@@ -159,8 +160,9 @@ class Swimlane:
         self._snap_free = threading.Event()
         self._snap_free.set()
         self._snap_version = -1
+        self._handoff_pending = False
         self.counters = {"chunks_sent": 0, "chunks_consumed": 0, "dropped_stale": 0, "publishes": 0,
-                         "publish_skipped_busy": 0, "env_steps_sampled": 0}
+                         "publish_skipped_busy": 0, "env_steps_sampled": 0, "throttle_timeouts": 0}
         self.history: list[dict[str, Any]] = []
         self._start_time = time.perf_counter()
 
@@ -242,12 +244,14 @@ class Swimlane:
         K = self.cfg.policy.action_chunk
         has_value = self.policy.has_value_head
 
-        # Admission control (async): the learner consumes chunks_per_update chunks per
-        # version from all rollout ranks together, so this rank's chunk number c belongs
-        # to version ~ c * n_rollout / (chunks_per_update * learner_ranks). Starting it
-        # with weights more than max_staleness versions older than that would only
-        # produce data the learner drops: wait for newer weights instead.
-        per_version = self.sl.chunks_per_update * self.sl.learner_ranks / n_rollout
+        # Admission control (async): our learner consumes chunks_per_update chunks per
+        # version from the rollout ranks routed to it, so this rank's chunk number c belongs
+        # to version ~ c * n_routed / chunks_per_update. Starting it with weights more than
+        # max_staleness versions older than that would only produce data the learner
+        # drops: wait for newer weights instead.
+        n_learn = self.sl.learner_ranks
+        n_routed = sum(1 for i in range(n_rollout) if i % n_learn == ridx % n_learn)
+        per_version = self.sl.chunks_per_update / n_routed
         started = 0
 
         def version_needed() -> int:
@@ -308,7 +312,12 @@ class Swimlane:
             while not self._rollout_stopping():
                 if len(parked) == G:  # every group throttled: wait for newer weights
                     with tr.span("sampling", "throttle"):
-                        self.weights.wait_for(version_needed(), self.rollout_stop)
+                        fresh = self.weights.wait_for(version_needed(), self.rollout_stop, timeout=_THROTTLE_S)
+                    if not fresh and not self._rollout_stopping():
+                        # No new version for a while although we produce nothing: the learner
+                        # is short of data (it dropped a chunk). Sample with the newest weights.
+                        self.counters["throttle_timeouts"] += 1
+                        start(parked.pop(0))
                     start_admitted()
                     continue
                 item = next_reply()
@@ -389,6 +398,8 @@ class Swimlane:
             while self.version < self.iterations and not self.stop_event.is_set():
                 chunks: list[RolloutBatch] = []
                 while len(chunks) < need and not self.stop_event.is_set():
+                    if self._handoff_pending and self._snap_free.is_set():
+                        self._handoff(wait=False)  # a version skipped while the lane was busy
                     with tr.span("gradient", "wait"):
                         item = self.source.get(timeout=_POLL_S)
                     if item is None:
@@ -444,7 +455,9 @@ class Swimlane:
                 return
         if not self._snap_free.is_set():
             self.counters["publish_skipped_busy"] += 1
+            self._handoff_pending = True  # published as soon as the lane is free
             return
+        self._handoff_pending = False
         self._snap_free.clear()
         with self.tracer.span("gradient", "snapshot"), torch.no_grad():
             torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))

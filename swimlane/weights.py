@@ -11,6 +11,7 @@ half-written version.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 from torch import Tensor
@@ -74,10 +75,13 @@ class DoubleBufferedWeights:
             return max(self.versions[self._active],
                        self.versions[self._ready] if self._ready is not None else -1)
 
-    def wait_for(self, version: int, stop: threading.Event, poll_s: float = 0.05) -> bool:
-        """Block until ``version`` (or newer) is available; False if ``stop`` was set first."""
+    def wait_for(self, version: int, stop: threading.Event, poll_s: float = 0.05,
+                 timeout: float | None = None) -> bool:
+        """Block until ``version`` (or newer) is available; False if ``stop`` was set or
+        ``timeout`` seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
-            while not stop.is_set():
+            while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
                 newest = max(self.versions[self._active],
                              self.versions[self._ready] if self._ready is not None else -1)
                 if newest >= version:

@@ -201,3 +201,21 @@ def test_three_process_run_learns_over_real_planes(tmp_path):
         kinds = {(s[0], s[1]) for s in spans}
         assert ("sampling", "send") in kinds and ("broadcast", "receive") in kinds
         assert ("gradient", "learn") not in kinds
+
+
+def test_two_learner_ranks_average_gradients_and_finish(tmp_path):
+    """Learner ranks 0 and 1 (both also sampling) and a rollout-only rank 2: chunks are
+    routed per learner, gradients all-reduced between the learners, and the run ends."""
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           "-m", "dvla.launch", "--preset", "debug", "run.iterations=8", "swimlane.learner_ranks=2",
+           "run.torch_threads=1", f"run.out_dir={out}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
+    assert json.loads((out / "summary.json").read_text())["version"] == 8
+    for name in ("trace.json", "trace_rank1.json"):
+        _, spans = load_trace(out / name)
+        assert sum(1 for s in spans if s[:2] == ("gradient", "learn")) == 8
+    _, spans = load_trace(out / "trace_rank2.json")
+    assert not any(s[0] == "gradient" for s in spans)
