@@ -58,6 +58,14 @@ def save_weights(policy: VLAPolicy, path: str | Path, version: int) -> None:
     save_safetensors(policy.state_dict(), path, {"version": str(version), "policy": str(policy.registry_name)})
 
 
+def mean_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Average every value of ``stats`` over the ranks of ``group`` (one all-reduce)."""
+    t = torch.tensor(list(stats.values()), dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    t /= dist.get_world_size(group)
+    return dict(zip(stats, t.tolist()))
+
+
 def episode_stats(batch: RolloutBatch) -> dict[str, float]:
     return {
         "success_rate": float(batch.success.float().mean()),
@@ -111,15 +119,6 @@ class SyncTrainer:
         stats = [episode_stats(self.collect(RolloutTimes())) for _ in range(batches)]
         return {k: sum(s[k] for s in stats) / batches for k in stats[0]}
 
-    def _global_episode_stats(self, batch: RolloutBatch) -> dict[str, float]:
-        stats = episode_stats(batch)
-        if self.world_size > 1:
-            t = torch.tensor([stats["success_rate"], stats["return_mean"], stats["episode_len_mean"]])
-            dist.all_reduce(t)
-            t /= self.world_size
-            stats = dict(zip(stats, t.tolist()))
-        return stats
-
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
         lead = self.rank == 0
@@ -139,6 +138,9 @@ class SyncTrainer:
                 t1 = time.perf_counter()
                 learn = self.algo.update(batch, self.learn_gen)
                 t2 = time.perf_counter()
+                stats = episode_stats(batch)
+                if self.world_size > 1:
+                    stats = mean_over_group(stats)
                 self.version += 1
                 steps = times.env_steps * self.world_size
                 total_steps += steps
@@ -151,7 +153,7 @@ class SyncTrainer:
                     "learn_s": t2 - t1,
                     "sim_s": times.sim_s,
                     "infer_s": times.infer_s,
-                    **self._global_episode_stats(batch),
+                    **stats,
                     **learn,
                 }
                 history.append(logger.log(it, m))

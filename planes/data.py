@@ -293,6 +293,10 @@ class TrajectoryReceiver:
         except queue.Empty:
             return None
 
+    def depth(self) -> int:
+        """Decoded messages waiting for the consumer."""
+        return self._queue.qsize()
+
     @property
     def live_peers(self) -> list[str]:
         with self._lock:

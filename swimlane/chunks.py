@@ -138,7 +138,7 @@ class RemoteChunkSource:
             return None
 
     def depth(self) -> int:
-        return self.receiver._queue.qsize()
+        return self.receiver.depth()
 
     def close(self) -> None:
         self.receiver.close()

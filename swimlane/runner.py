@@ -52,7 +52,7 @@ from dvla.envs import make_env
 from dvla.metrics import MetricsLogger
 from dvla.policy import ActOutput, PolicySpec, build_policy
 from dvla.rollout import EpisodeRecorder
-from dvla.trainer import allreduce_mean_grads, episode_stats, resolve_device, save_weights
+from dvla.trainer import allreduce_mean_grads, episode_stats, mean_over_group, resolve_device, save_weights
 from dvla.types import Observation, RolloutBatch
 from planes.control import SHUTDOWN, WeightBroadcaster, module_weights, new_control_group
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
@@ -148,7 +148,7 @@ class Swimlane:
             self.learn_gen = torch.Generator().manual_seed(seed + 2)
         self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 104729 * rank + 1)
 
-        self._setup_weights(cfg)
+        self._setup_weights()
         # Few chunks in flight: every buffered chunk is one that ages while it waits.
         self._setup_data_plane(data_plane or DataPlaneConfig(send_hwm=1, recv_hwm=1))
 
@@ -167,7 +167,7 @@ class Swimlane:
         self._start_time = time.perf_counter()
 
     # -- set-up ----------------------------------------------------------------------------
-    def _setup_weights(self, cfg: JobConfig) -> None:
+    def _setup_weights(self) -> None:
         """Inference replicas (double-buffered), the learner's snapshot and the broadcaster."""
         self.bc = None
         self.snapshot = None
@@ -382,11 +382,10 @@ class Swimlane:
 
     # -- gradient lane ---------------------------------------------------------------------
     def _chunks_per_update(self) -> int:
+        """Async: ``chunks_per_update``; sync: one chunk from every group routed here."""
         if self.sl.mode == "async":
             return self.sl.chunks_per_update
-        if self.world_size == 1:
-            return self.sl.env_groups
-        return self.sl.env_groups * len(self.expected_senders)
+        return self.sl.env_groups * max(1, len(self.expected_senders))
 
     def _gradient_lane(self) -> None:
         tr = self.tracer
@@ -437,14 +436,11 @@ class Swimlane:
             self.learner_done.set()
 
     def _global_stats(self, batch: RolloutBatch, steps_total: int) -> tuple[dict[str, float], int]:
-        stats = episode_stats(batch)
-        if self.sl.learner_ranks == 1:
-            return stats, steps_total
-        t = torch.tensor([stats["success_rate"], stats["return_mean"], stats["episode_len_mean"],
-                          float(steps_total)], dtype=torch.float64)
-        dist.all_reduce(t, group=self.learner_group)
-        t[:3] /= self.sl.learner_ranks
-        return dict(zip(stats, t[:3].tolist())), int(t[3])
+        """Episode stats averaged and consumed env steps summed over the learner ranks."""
+        stats = {**episode_stats(batch), "env_steps": float(steps_total)}
+        if self.sl.learner_ranks > 1:
+            stats = mean_over_group(stats, self.learner_group)
+        return stats, round(stats.pop("env_steps") * self.sl.learner_ranks)
 
     def _handoff(self, wait: bool) -> None:
         """Give the broadcast lane a snapshot of the current weights (one copy), unless it
@@ -459,10 +455,14 @@ class Swimlane:
             return
         self._handoff_pending = False
         self._snap_free.clear()
-        with self.tracer.span("gradient", "snapshot"), torch.no_grad():
-            torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))
+        with self.tracer.span("gradient", "snapshot"):
+            self._take_snapshot()
         self._snap_version = self.version
         self._snap_ready.set()
+
+    @torch.no_grad()
+    def _take_snapshot(self) -> None:
+        torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))
 
     # -- broadcast lane --------------------------------------------------------------------
     def _publish(self, version: int) -> None:
@@ -475,10 +475,8 @@ class Swimlane:
 
     def _broadcast_lane(self) -> None:
         """Rank 0: publish version 0 (the initial weights), then every snapshot handed over."""
-        with torch.no_grad():
-            torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))
+        self._take_snapshot()
         self._publish(0)
-        last = 0
         while not self.stop_event.is_set():
             if not self._snap_ready.wait(_POLL_S):
                 if self.learner_done.is_set() and not self._snap_ready.is_set():
@@ -579,7 +577,7 @@ class Swimlane:
             "lane_utilization": {k: round(v["utilization"], 4) for k, v in util.items()},
         }
         if self.is_learner:
-            steps = self.history[-1]["env_steps"] if self.history else 0
+            steps = int(self.history[-1]["env_steps"]) if self.history else 0
             summary.update(env_steps=steps, env_steps_per_s=steps / wall if wall > 0 else 0.0,
                            final_success_rate=self.history[-1]["success_rate"] if self.history else None)
         if self.sl.trace:
