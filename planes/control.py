@@ -14,6 +14,15 @@ no unpacking, no allocation per version. Build the broadcaster after the model i
 its device (moving it later breaks the aliasing, which ``publish``/``receive`` detect).
 Every broadcast is preceded by an int64 version number; a negative one means shutdown.
 
+Across hosts the broadcast follows a tree (:func:`hierarchical_stages`): the source
+sends each version once over the inter-node group of *node leaders* (one rank per
+host), and each leader forwards it over its own host's group. So one version crosses
+each inter-node link once, however many ranks a host runs, and a leader forwards
+bucket *i* (asynchronously, on the local group) while it receives bucket *i+1*. A
+rank's part in the tree is its list of :class:`Stage` s: the stage it receives on (if
+any) comes first, then the stages it sends on. ``traffic`` counts bytes and messages
+per stage kind and direction, so a run can show which path its weights took.
+
 At construction all ranks compare a checksum of the parameter layout (names, dtypes,
 shapes, bucket size): a rank built with a different model fails with
 :class:`LayoutMismatchError` on every rank instead of receiving garbage.
@@ -25,6 +34,7 @@ it gets the newest complete version, or ``None`` if nothing new has arrived.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import threading
 from dataclasses import dataclass
@@ -118,11 +128,52 @@ def new_control_group(ranks: list[int] | None = None) -> dist.ProcessGroup:
     return dist.new_group(ranks if ranks is not None else list(range(dist.get_world_size())), backend=backend)
 
 
+@dataclass
+class Stage:
+    """One hop of the broadcast tree as seen by one rank: a collective on ``group`` whose
+    sender is global rank ``root``. ``kind``: ``flat`` (one group of all ranks),
+    ``inter`` (node leaders) or ``local`` (the ranks of one host)."""
+
+    group: dist.ProcessGroup | None
+    root: int
+    kind: str
+    size: int
+
+
+def hierarchical_stages(leaders: list[int], local_groups: list[list[int]], src: int,
+                        backend: str | None = None) -> list[Stage]:
+    """Create the tree's process groups and return this rank's stages, in order.
+
+    ``leaders``: one rank per host (the source is its own host's leader);
+    ``local_groups``: every host's ranks, in the same host order. Creating groups is a
+    collective: every rank of the default group must call this with the same arguments.
+    """
+    if src not in leaders:
+        raise ValueError(f"control plane: the source rank {src} must lead its host (leaders {leaders})")
+    if len(leaders) != len(local_groups) or any(ld not in g for ld, g in zip(leaders, local_groups)):
+        raise ValueError(f"control plane: leaders {leaders} do not match the host groups {local_groups}")
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    me = dist.get_rank()
+    inter = dist.new_group(leaders, backend=backend) if len(leaders) > 1 else None
+    local = [dist.new_group(g, backend=backend) if len(g) > 1 else None for g in local_groups]
+    stages = []
+    if inter is not None and me in leaders:
+        stages.append(Stage(inter, src, "inter", len(leaders)))
+    for leader, ranks, pg in zip(leaders, local_groups, local):
+        if pg is not None and me in ranks:
+            stages.append(Stage(pg, leader, "local", len(ranks)))
+    return stages
+
+
 class WeightBroadcaster:
-    """Bucketed, versioned broadcast of ``module``'s weights from ``src`` (a global rank)."""
+    """Bucketed, versioned broadcast of ``module``'s weights from ``src`` (a global rank).
+
+    ``group`` holds every rank of the control plane (the layout check runs on it, and so
+    does the broadcast unless ``stages`` gives this rank's part of a tree, see
+    :func:`hierarchical_stages`)."""
 
     def __init__(self, module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stages: list[Stage] | None = None):
         if bucket_bytes < 1:
             raise ValueError(f"control_plane.bucket_bytes: must be >= 1, got {bucket_bytes}")
         self.module = module
@@ -130,6 +181,16 @@ class WeightBroadcaster:
         self.group = group
         self.rank = dist.get_rank()
         self.is_src = self.rank == src
+        if stages is None:
+            stages = [Stage(group, src, "flat", dist.get_world_size(group))]
+        self.stages = stages
+        self._recv_stage = None if self.is_src else stages[0]
+        if self._recv_stage is not None and self._recv_stage.root == self.rank:
+            raise ValueError("control plane: a receiving rank's first stage must be one it receives on")
+        self._send_stages = [s for s in stages if s.root == self.rank]
+        if self.is_src and len(self._send_stages) != len(stages):
+            raise ValueError("control plane: the source rank only sends")
+        self.traffic: collections.Counter = collections.Counter()
         self.bucket_bytes = bucket_bytes
         entries = _entries(module)
         if not entries:
@@ -189,8 +250,9 @@ class WeightBroadcaster:
             raise ValueError(f"versions must increase and be >= 0: got {version} after {self.version}")
         self._check_aliasing()
         self._broadcast_version(version)
-        for b in self.buckets:
-            dist.broadcast(b.flat, src=self.src, group=self.group)
+        for st in self._send_stages:
+            for b in self.buckets:
+                self._send(st, b.flat)
         self.version = version
 
     def shutdown(self) -> None:
@@ -199,7 +261,20 @@ class WeightBroadcaster:
 
     def _broadcast_version(self, version: int) -> None:
         self._version_buf.fill_(version)
-        dist.broadcast(self._version_buf, src=self.src, group=self.group)
+        for st in self._send_stages:
+            dist.broadcast(self._version_buf, src=st.root, group=st.group)
+
+    def _send(self, st: Stage, flat: Tensor, async_op: bool = False):
+        work = dist.broadcast(flat, src=st.root, group=st.group, async_op=async_op)
+        self.traffic[f"{st.kind}_sent_bytes"] += flat.numel() * flat.element_size()
+        self.traffic[f"{st.kind}_sent"] += 1
+        return work
+
+    def _recv(self, flat: Tensor) -> None:
+        st = self._recv_stage
+        dist.broadcast(flat, src=st.root, group=st.group)
+        self.traffic[f"{st.kind}_received_bytes"] += flat.numel() * flat.element_size()
+        self.traffic[f"{st.kind}_received"] += 1
 
     # -- receivers ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -218,7 +293,10 @@ class WeightBroadcaster:
         splitting lets it choose the destination only once the data is about to arrive."""
         if self.is_src:
             raise RuntimeError("receive() is for non-source ranks")
-        dist.broadcast(self._version_buf, src=self.src, group=self.group)
+        st = self._recv_stage
+        dist.broadcast(self._version_buf, src=st.root, group=st.group)
+        for fwd in self._send_stages:  # a node leader passes the announcement on at once
+            dist.broadcast(self._version_buf, src=fwd.root, group=fwd.group)
         return int(self._version_buf.item())
 
     @torch.no_grad()
@@ -227,8 +305,13 @@ class WeightBroadcaster:
         if into is None:
             self._check_aliasing()
         flats = into if into is not None else [b.flat for b in self.buckets]
+        pending = []
         for flat in flats:
-            dist.broadcast(flat, src=self.src, group=self.group)
+            self._recv(flat)
+            # A node leader forwards this bucket to its host while it receives the next.
+            pending += [self._send(st, flat, async_op=True) for st in self._send_stages]
+        for work in pending:
+            work.wait()
         if into is None:
             self.version = version
 

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dvla.distributed import shutdown
-from planes.control import LayoutMismatchError, WeightBroadcaster, WeightSubscriber, new_control_group
+from planes.control import (LayoutMismatchError, WeightBroadcaster, WeightSubscriber, hierarchical_stages,
+                            new_control_group)
 
 CTX = mp.get_context("spawn")
 
@@ -139,7 +140,32 @@ def _separate_groups(rank, world, control):
     return result
 
 
-SCENARIOS = {"broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
+def _hierarchical(rank, world, control):
+    """Two hosts, ranks [0, 1, 2] and [3, 4]: 0 sends to leader 3 once, then each leader
+    fans out on its own host. Receivers take versions into a separate standby copy."""
+    stages = hierarchical_stages(leaders=[0, 3], local_groups=[[0, 1, 2], [3, 4]], src=0)
+    model = make_model(rank)
+    bc = WeightBroadcaster(model, src=0, group=control, bucket_bytes=1024, stages=stages)
+    standby = make_model(rank)
+    into = bc.bind_replica(standby)
+    versions = []
+    if rank == 0:
+        for v in (1, 2):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5).add_(v)
+            bc.publish(v)
+        bc.shutdown()
+        standby = model
+    else:
+        while (v := bc.receive_version()) >= 0:
+            bc.receive_buckets(v, into=into)
+            versions.append(v)
+    return {"digest": digest(standby), "versions": versions, "traffic": dict(bc.traffic),
+            "stages": [(s.kind, s.root, s.size) for s in stages], "buckets": len(bc.buckets)}
+
+
+SCENARIOS = {"hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
              "separate_groups": _separate_groups}
 
 
@@ -171,6 +197,25 @@ def test_receivers_equal_source_after_broadcast(world):
     for r in range(1, world):
         assert res[r]["digest"] == res[0]["digest"]
         assert res[r]["seen"] == [1, 2, -1] and res[r]["version"] == 2
+
+
+def test_hierarchical_broadcast_crosses_hosts_once_then_fans_out():
+    res = run_ranks("hierarchical", 5)
+    nb = res[0]["buckets"]
+    assert nb > 1
+    for r in range(1, 5):
+        assert res[r]["digest"] == res[0]["digest"] and res[r]["versions"] == [1, 2]
+    assert res[0]["stages"] == [("inter", 0, 2), ("local", 0, 3)]
+    assert res[3]["stages"] == [("inter", 0, 2), ("local", 3, 2)]
+    assert res[4]["stages"] == [("local", 3, 2)]
+    t = {r: res[r]["traffic"] for r in res}
+    # Per version, the buckets cross between the hosts once (0 -> 3) ...
+    assert t[0]["inter_sent"] == 2 * nb and t[3]["inter_received"] == 2 * nb
+    assert t[3]["inter_received_bytes"] == t[0]["inter_sent_bytes"]
+    # ... and each host's leader feeds its own ranks.
+    assert t[0]["local_sent"] == 2 * nb and t[3]["local_sent"] == 2 * nb
+    for r in (1, 2, 4):
+        assert t[r]["local_received"] == 2 * nb and not any(k.startswith("inter") for k in t[r])
 
 
 def test_layout_mismatch_fails_on_every_rank():
