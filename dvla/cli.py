@@ -2,6 +2,7 @@
 
     dvla train [--preset NAME] [KEY=VALUE ...]   train (same as python -m dvla.launch)
     dvla trace RUN_DIR [--out PNG] [--last S]    lane utilisation and a swimlane Gantt chart
+    dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def trace_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": "train a policy (python -m dvla.launch)", "trace": "lane utilisation and Gantt chart"}
+COMMANDS = {"train": "train a policy (python -m dvla.launch)", "trace": "lane utilisation and Gantt chart",
+            "plan": "placement and modelled broadcast cost for a cluster"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         from dvla.launch import main as train
 
         return train(rest)
+    if cmd == "plan":
+        from launch.planner import main as plan
+
+        return plan(rest)
     return trace_main(rest)
 
 

@@ -1,0 +1,471 @@
+"""What the placement and the weight broadcast would cost on a given cluster (``dvla plan``).
+
+A model, not a measurement. It compares, per weights version, (a) a flat broadcast that
+ignores the topology with (b) the hierarchical tree of :mod:`launch.placement`.
+
+Bandwidth model (alpha-beta). Sending m bytes over one link costs ``alpha + m / B``
+(alpha = ``latency_us``). Inter-node: every node has ``net_gbps`` of NIC bandwidth in
+each direction, shared by all streams that leave (or enter) that node at the same time.
+Intra-node: every GPU can send ``local_gbps`` (NVLink) at once. A version is
+``S = params * bytes_per_param`` bytes; nodes hold ``g`` ranks each, ``p = N * g``.
+
+* Flat: a binomial tree over all p ranks in torchrun order (host by host), rooted at
+  rank 0, store-and-forward: ceil(log2 p) rounds; in round k every rank < 2^k that
+  holds the version sends all of it to rank + 2^k. A round costs
+  ``alpha + max(S / B_local, s * S / B_net)`` where s is the largest number of inter-node
+  transfers leaving or entering one node in that round (with 8 ranks per node, 8 share
+  one NIC once the tree has spread beyond a node). Every receive from another node is
+  one inter-node copy: ``(N - 1) * g`` when g is a power of two.
+* Hierarchical: stage 1 sends S from the source to the N node leaders, stage 2 from
+  each leader to the g ranks of its node. A stage over k ranks costs the better of a
+  pipelined chain, ``alpha * (k - 1) + S / B``, and a binomial tree,
+  ``ceil(log2 k) * (alpha + S / B)`` (what a tuned collective library would choose).
+  Leaders forward bucket i while receiving bucket i+1 (as ``planes.control`` does), so
+  with n = ceil(S / bucket_bytes) buckets the two stages overlap:
+  ``T = max(T1, T2) + min(T1, T2) / n``. Inter-node copies: N - 1.
+
+Weak scaling. Each node produces ``samples_per_node_s`` rollout samples per second and
+contributes ``batch_per_node`` of them to every learner update, which takes
+``update_s`` (constant under weak scaling: the global batch and the learners grow with
+N). So versions are due every ``interval = max(update_s, batch_per_node /
+samples_per_node_s)``. A version's broadcast runs alongside the next update; when it
+takes longer than the interval, versions (and, through bounded staleness, rollouts) wait
+for it: throughput(N) = N * batch_per_node / max(interval, T_broadcast(N)), efficiency =
+throughput(N) / (N * throughput(1)). Gradient all-reduce, trajectory traffic and
+congestion are left out, so efficiencies are upper bounds.
+
+For clusters of more than ``PLACE_MAX_RANKS`` ranks the placement's shape (learners,
+hosts they span, cross-host routes, leaders) is computed arithmetically instead of
+with :func:`launch.placement.place`; both give the same numbers (tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from launch.placement import Placement, format_placement, place
+from launch.topology import Topology, from_spec
+
+BUCKET_BYTES = 32 << 20  # planes.control.DEFAULT_BUCKET_BYTES
+PLACE_MAX_RANKS = 4096
+SHOW_PLACEMENT_MAX_RANKS = 64
+_SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+@dataclass
+class BroadcastCost:
+    """One method's cost for one weights version."""
+
+    time_s: float
+    inter_node_copies: int
+    inter_node_bytes: float
+    rounds: int = 0          # flat: binomial-tree rounds
+    nic_streams: int = 0     # flat: most transfers sharing one node's NIC in a round
+    stage1_s: float = 0.0    # hierarchical: source -> node leaders
+    stage2_s: float = 0.0    # hierarchical: leader -> its node's ranks
+    buckets: int = 1         # hierarchical: forwarding granularity
+
+
+@dataclass
+class PlanReport:
+    nodes: int
+    gpus_per_node: int
+    ranks: int
+    params: float
+    bytes_per_version: float
+    learners: int
+    rollout: int
+    colocate: bool
+    learner_hosts: int        # hosts the learners' gradient all-reduce spans
+    tcp_routes: int           # rollout ranks whose chunks cross hosts
+    leaders: int
+    flat: BroadcastCost
+    hier: BroadcastCost
+    interval_s: float
+    efficiency_flat: float
+    efficiency_hier: float
+    placement: Placement | None = None      # only for clusters small enough to place
+    topology: Topology | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def stage_s(self, stage: int) -> float:
+        return self.hier.stage1_s if stage == 1 else self.hier.stage2_s
+
+    @property
+    def speedup(self) -> float:
+        if self.hier.time_s <= 0:
+            return 1.0 if self.flat.time_s <= 0 else math.inf
+        return self.flat.time_s / self.hier.time_s
+
+
+@dataclass
+class ScalingPoint:
+    nodes: int
+    ranks: int
+    broadcast_flat_s: float
+    broadcast_hier_s: float
+    throughput_flat: float    # samples/s the whole cluster turns into updates
+    throughput_hier: float
+    efficiency_flat: float
+    efficiency_hier: float
+
+
+# -- parsing -------------------------------------------------------------------------------------------
+
+def parse_count(text: str | float) -> float:
+    """'7e9', '7B', '1T', '500M', '1.5b', 7000000000 -> a number of parameters."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+        if not m:
+            raise ValueError(f"cannot read {text!r} as a count: use e.g. 7e9, 7B, 500M or 1T")
+        value = float(m.group(1)) * _SUFFIX[m.group(2).upper()]
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"count {text!r} must be a positive number")
+    return value
+
+
+def parse_nodes(values: list[str] | str) -> list[int]:
+    """'1,8,64' or ['1', '8,64'] -> [1, 8, 64]."""
+    items = [values] if isinstance(values, str) else list(values)
+    out = []
+    for item in items:
+        for part in str(item).split(","):
+            if not part.strip():
+                continue
+            try:
+                n = int(part)
+            except ValueError:
+                raise ValueError(f"node count {part.strip()!r} is not an integer") from None
+            if n < 1:
+                raise ValueError(f"node count {n} must be >= 1")
+            out.append(n)
+    if not out:
+        raise ValueError("no node counts given")
+    return out
+
+
+# -- placement shape -------------------------------------------------------------------------------------
+
+def learner_count(ranks: int, learner_fraction: float, colocate: bool) -> tuple[int, bool]:
+    """Learner ranks for a fraction of the world (at least 1, leaving a rollout rank
+    unless colocated; a single rank is always colocated). Returns (learners, colocate)."""
+    if not 0 < learner_fraction <= 1:
+        raise ValueError(f"learner_fraction={learner_fraction} must be in (0, 1]")
+    if ranks == 1:
+        return 1, True
+    n = min(ranks, max(1, round(learner_fraction * ranks)))
+    if n == ranks and not colocate:
+        n = ranks - 1
+    return n, colocate
+
+
+def placement_shape(nodes: int, gpus_per_node: int, learners: int, colocate: bool) -> dict[str, int]:
+    """What :func:`place` gives on ``nodes`` x ``gpus_per_node``, in closed form: on equal
+    hosts the learners fill hosts in rank order, and only the ranks of hosts without a
+    learner send across hosts."""
+    ranks = nodes * gpus_per_node
+    learner_hosts = -(-learners // gpus_per_node)
+    return {"ranks": ranks, "learners": learners, "rollout": ranks if colocate else ranks - learners,
+            "learner_hosts": learner_hosts, "tcp_routes": (nodes - learner_hosts) * gpus_per_node,
+            "leaders": nodes}
+
+
+def _shape_of(p: Placement, topo: Topology) -> dict[str, int]:
+    return {"ranks": p.world_size, "learners": len(p.learners), "rollout": len(p.rollout),
+            "learner_hosts": len({topo.host_of(r) for r in p.learners}),
+            "tcp_routes": sum(t == "tcp" for t in p.transports.values()), "leaders": len(p.tree.leaders)}
+
+
+# -- broadcast cost -------------------------------------------------------------------------------------
+
+def _stage_time(k: int, size: float, bw: float, alpha: float) -> float:
+    """Broadcast of ``size`` bytes among k ranks: the better of a pipelined chain and a
+    binomial tree."""
+    if k <= 1:
+        return 0.0
+    chain = alpha * (k - 1) + size / bw
+    tree = math.ceil(math.log2(k)) * (alpha + size / bw)
+    return min(chain, tree)
+
+
+def flat_broadcast(nodes: int, gpus_per_node: int, size: float, net_bw: float, local_bw: float,
+                   alpha: float) -> BroadcastCost:
+    """Binomial tree over all ranks, host-major numbering (see the module docstring)."""
+    p = nodes * gpus_per_node
+    if p <= 1:
+        return BroadcastCost(0.0, 0, 0.0)
+    node = np.arange(p, dtype=np.int64) // gpus_per_node
+    total, copies, rounds, worst = 0.0, 0, 0, 0
+    step = 1
+    while step < p:
+        senders = np.arange(min(step, p - step), dtype=np.int64)
+        receivers = senders + step
+        cross = node[senders] != node[receivers]
+        n_cross = int(cross.sum())
+        t = size / local_bw if n_cross < len(senders) else 0.0
+        if n_cross:
+            out_load = np.bincount(node[senders][cross], minlength=nodes).max()
+            in_load = np.bincount(node[receivers][cross], minlength=nodes).max()
+            streams = int(max(out_load, in_load))
+            worst = max(worst, streams)
+            t = max(t, streams * size / net_bw)
+        total += alpha + t
+        copies += n_cross
+        rounds += 1
+        step *= 2
+    return BroadcastCost(total, copies, copies * size, rounds=rounds, nic_streams=worst)
+
+
+def hierarchical_broadcast(nodes: int, gpus_per_node: int, size: float, net_bw: float, local_bw: float,
+                           alpha: float, bucket_bytes: float = BUCKET_BYTES) -> BroadcastCost:
+    """Source -> node leaders -> local ranks, leaders forwarding bucket by bucket."""
+    t1 = _stage_time(nodes, size, net_bw, alpha)
+    t2 = _stage_time(gpus_per_node, size, local_bw, alpha)
+    n_buckets = max(1, math.ceil(size / bucket_bytes))
+    total = max(t1, t2) + min(t1, t2) / n_buckets
+    return BroadcastCost(total, nodes - 1, (nodes - 1) * size, stage1_s=t1, stage2_s=t2, buckets=n_buckets)
+
+
+# -- the plan ---------------------------------------------------------------------------------------------
+
+def _interval(update_s: float, batch_per_node: float, samples_per_node_s: float) -> float:
+    if update_s < 0 or batch_per_node <= 0 or samples_per_node_s <= 0:
+        raise ValueError("update_s must be >= 0, batch_per_node and samples_per_node_s > 0")
+    return max(update_s, batch_per_node / samples_per_node_s)
+
+
+def _throughput(nodes: int, batch_per_node: float, interval: float, broadcast_s: float) -> float:
+    return nodes * batch_per_node / max(interval, broadcast_s)
+
+
+def plan(nodes: int, gpus_per_node: int, params: float, bytes_per_param: float = 2,
+         learner_fraction: float = 0.25, net_gbps: float = 400, local_gbps: float = 2400,
+         latency_us: float = 10, *, colocate: bool = False, bucket_bytes: float = BUCKET_BYTES,
+         samples_per_node_s: float = 1000.0, batch_per_node: float = 1000.0, update_s: float = 1.0,
+         ) -> PlanReport:
+    """Placement shape, per-version broadcast cost (flat vs hierarchical) and weak-scaling
+    efficiency for ``nodes`` x ``gpus_per_node`` ranks and a model of ``params`` parameters
+    (``params`` may be a string such as '7B'). Bandwidths in Gbit/s; see the module
+    docstring for the model."""
+    nodes, gpus_per_node = int(nodes), int(gpus_per_node)
+    if nodes < 1 or gpus_per_node < 1:
+        raise ValueError(f"need at least 1 node and 1 GPU per node, got {nodes} x {gpus_per_node}")
+    params = parse_count(params)
+    if bytes_per_param <= 0 or net_gbps <= 0 or local_gbps <= 0 or latency_us < 0 or bucket_bytes <= 0:
+        raise ValueError("bytes_per_param, net_gbps, local_gbps and bucket_bytes must be > 0, latency_us >= 0")
+    ranks = nodes * gpus_per_node
+    learners, colocate_eff = learner_count(ranks, learner_fraction, colocate)
+    notes = []
+    if colocate_eff != colocate:
+        notes.append("a single rank both learns and samples (colocated)")
+    elif round(learner_fraction * ranks) >= ranks and not colocate and ranks > 1:
+        notes.append(f"{ranks - 1} learners, to leave one rank for rollouts")
+
+    placement = topology = None
+    if ranks <= PLACE_MAX_RANKS:
+        topology = from_spec(f"{nodes}x{gpus_per_node}:{gpus_per_node}")
+        placement = place(topology, learners, colocate_eff)
+        shape = _shape_of(placement, topology)
+    else:
+        shape = placement_shape(nodes, gpus_per_node, learners, colocate_eff)
+
+    size = params * bytes_per_param
+    net_bw, local_bw, alpha = net_gbps * 1e9 / 8, local_gbps * 1e9 / 8, latency_us * 1e-6
+    flat = flat_broadcast(nodes, gpus_per_node, size, net_bw, local_bw, alpha)
+    hier = hierarchical_broadcast(nodes, gpus_per_node, size, net_bw, local_bw, alpha, bucket_bytes)
+
+    interval = _interval(update_s, batch_per_node, samples_per_node_s)
+    base_flat = flat_broadcast(1, gpus_per_node, size, net_bw, local_bw, alpha).time_s
+    base_hier = hierarchical_broadcast(1, gpus_per_node, size, net_bw, local_bw, alpha, bucket_bytes).time_s
+    eff_flat = max(interval, base_flat) / max(interval, flat.time_s)
+    eff_hier = max(interval, base_hier) / max(interval, hier.time_s)
+
+    return PlanReport(nodes=nodes, gpus_per_node=gpus_per_node, ranks=ranks, params=params,
+                      bytes_per_version=size, learners=shape["learners"], rollout=shape["rollout"],
+                      colocate=colocate_eff, learner_hosts=shape["learner_hosts"], tcp_routes=shape["tcp_routes"],
+                      leaders=shape["leaders"], flat=flat, hier=hier, interval_s=interval,
+                      efficiency_flat=eff_flat, efficiency_hier=eff_hier, placement=placement,
+                      topology=topology, notes=notes)
+
+
+def weak_scaling(nodes_list=(1, 8, 16, 32, 64, 128, 256, 512, 1024), gpus_per_node: int = 8,
+                 params: float | str = 7e9, bytes_per_param: float = 2, net_gbps: float = 400,
+                 local_gbps: float = 2400, latency_us: float = 10, *, bucket_bytes: float = BUCKET_BYTES,
+                 samples_per_node_s: float = 1000.0, batch_per_node: float = 1000.0,
+                 update_s: float = 1.0) -> list[ScalingPoint]:
+    """Modelled weak scaling (constant rollout work per node) of flat and hierarchical
+    broadcast; efficiency relative to one node, as in the module docstring."""
+    size = parse_count(params) * bytes_per_param
+    net_bw, local_bw, alpha = net_gbps * 1e9 / 8, local_gbps * 1e9 / 8, latency_us * 1e-6
+    interval = _interval(update_s, batch_per_node, samples_per_node_s)
+
+    def times(n: int) -> tuple[float, float]:
+        return (flat_broadcast(n, gpus_per_node, size, net_bw, local_bw, alpha).time_s,
+                hierarchical_broadcast(n, gpus_per_node, size, net_bw, local_bw, alpha, bucket_bytes).time_s)
+
+    f1, h1 = times(1)
+    base_f = _throughput(1, batch_per_node, interval, f1)
+    base_h = _throughput(1, batch_per_node, interval, h1)
+    out = []
+    for n in nodes_list:
+        tf, th = times(int(n))
+        thr_f = _throughput(n, batch_per_node, interval, tf)
+        thr_h = _throughput(n, batch_per_node, interval, th)
+        out.append(ScalingPoint(nodes=int(n), ranks=int(n) * gpus_per_node, broadcast_flat_s=tf,
+                                broadcast_hier_s=th, throughput_flat=thr_f, throughput_hier=thr_h,
+                                efficiency_flat=thr_f / (n * base_f), efficiency_hier=thr_h / (n * base_h)))
+    return out
+
+
+# -- text ----------------------------------------------------------------------------------------------------
+
+def _fmt_time(s: float) -> str:
+    if s <= 0:
+        return "0"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} us"
+    if s < 1:
+        return f"{s * 1e3:.1f} ms"
+    if s < 600:
+        return f"{s:.2f} s"
+    return f"{s / 60:.1f} min"
+
+
+def _fmt_count(x: float) -> str:
+    for unit, v in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if x >= v:
+            return f"{x / v:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, v in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if b >= v:
+            return f"{b / v:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt_speedup(r: PlanReport) -> str:
+    if r.flat.time_s <= 0 and r.hier.time_s <= 0:
+        return "-"
+    return "inf" if math.isinf(r.speedup) else f"{r.speedup:.1f}x"
+
+
+MODEL_TEXT = """\
+model (alpha-beta): a message of m bytes on one link costs alpha + m/B; B_net per node NIC,
+  shared by all streams leaving/entering a node at once; B_local per GPU (NVLink).
+  flat: binomial tree over all ranks (torchrun order), ceil(log2 p) store-and-forward rounds,
+    each alpha + max(S/B_local, s*S/B_net) with s = streams on the busiest NIC.
+  hier: source -> N leaders (T1), leader -> its g ranks (T2); a stage over k ranks costs
+    min(alpha*(k-1) + S/B, ceil(log2 k)*(alpha + S/B)); bucketed forwarding overlaps them:
+    T = max(T1,T2) + min(T1,T2)/buckets.
+  weak scaling: a version is due every interval; throughput(N) ~ N / max(interval, T(N));
+    efficiency = throughput(N) / (N * throughput(1)). All-reduce and data traffic not modelled."""
+
+
+def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    return ["  ".join(c.rjust(w) for c, w in zip(cols, widths)), "  ".join("-" * w for w in widths),
+            *("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows)]
+
+
+def format_table(reports: list[PlanReport]) -> str:
+    """The summary table, then a second one with how the numbers are made up."""
+    r0 = reports[0]
+    head = (f"dvla plan: {_fmt_count(r0.params)} params x {r0.bytes_per_version / r0.params:g} B = "
+            f"{_fmt_bytes(r0.bytes_per_version)} per weights version; {r0.gpus_per_node} ranks (GPUs) per node")
+    lines = [head, ""]
+    lines += _table(
+        ["nodes", "ranks", "learners", "copies flat", "copies hier", "bcast flat", "bcast hier", "speed-up",
+         "eff flat", "eff hier"],
+        [[str(r.nodes), str(r.ranks), str(r.learners), str(r.flat.inter_node_copies),
+          str(r.hier.inter_node_copies), _fmt_time(r.flat.time_s), _fmt_time(r.hier.time_s), _fmt_speedup(r),
+          f"{r.efficiency_flat:.0%}", f"{r.efficiency_hier:.0%}"] for r in reports])
+    lines += ["", "copies: inter-node copies of one weights version; bcast: modelled broadcast time per version;",
+              "eff: modelled weak-scaling efficiency (throughput(N) / (N * throughput(1)))", ""]
+    lines += _table(
+        ["nodes", "inter-node flat", "inter-node hier", "flat rounds", "NIC streams", "hier T1", "hier T2",
+         "buckets", "learner hosts", "tcp routes"],
+        [[str(r.nodes), _fmt_bytes(r.flat.inter_node_bytes), _fmt_bytes(r.hier.inter_node_bytes),
+          str(r.flat.rounds), str(r.flat.nic_streams), _fmt_time(r.stage_s(1)), _fmt_time(r.stage_s(2)),
+          str(r.hier.buckets), str(r.learner_hosts), f"{r.tcp_routes}/{r.rollout}"] for r in reports])
+    lines += ["", "inter-node: bytes crossing hosts per version; NIC streams: most flat-tree transfers sharing one",
+              "node's NIC in a round; T1/T2: hierarchical stages (leaders, then local); tcp routes: rollout",
+              "ranks whose chunks cross hosts"]
+    notes = [f"{r.nodes} nodes: {n}" for r in reports for n in r.notes]
+    if notes:
+        lines += ["notes: " + "; ".join(notes)]
+    return "\n".join(lines)
+
+
+def format_assumptions(r: PlanReport, net_gbps: float, local_gbps: float, latency_us: float,
+                       samples_per_node_s: float, batch_per_node: float, update_s: float) -> str:
+    return (f"assumed: net {net_gbps:g} Gbit/s per node, local {local_gbps:g} Gbit/s per GPU, alpha "
+            f"{latency_us:g} us; versions due every {_fmt_time(r.interval_s)} (update {update_s:g} s, "
+            f"{batch_per_node:g} samples/node/version at {samples_per_node_s:g} samples/s/node)\n{MODEL_TEXT}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dvla plan",
+        description="Model the placement and per-version weight broadcast (flat binomial tree vs the "
+                    "hierarchical node-leader tree) on a cluster, with weak-scaling efficiency.")
+    p.add_argument("--nodes", nargs="+", default=["1,8,64,1024"],
+                   help="node counts: one number or a list such as 1,8,64,1024 (default %(default)s)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks (GPUs) per node (default 8)")
+    p.add_argument("--params", default="7B", help="model parameters: 7e9, 7B, 500M, 1T (default 7B)")
+    p.add_argument("--dtype-bytes", type=float, default=2, help="bytes per parameter sent (default 2)")
+    p.add_argument("--learner-fraction", type=float, default=0.25, help="share of ranks that learn (default 0.25)")
+    p.add_argument("--colocate", action="store_true", help="learners also run rollouts")
+    p.add_argument("--net-gbps", type=float, default=400, help="inter-node Gbit/s per node (default 400)")
+    p.add_argument("--local-gbps", type=float, default=2400, help="intra-node Gbit/s per GPU (default 2400)")
+    p.add_argument("--latency-us", type=float, default=10, help="per-message latency alpha (default 10)")
+    p.add_argument("--bucket-mb", type=float, default=BUCKET_BYTES / 2**20,
+                   help="broadcast bucket size in MiB (default %(default)g)")
+    p.add_argument("--samples-per-node-s", type=float, default=1000.0,
+                   help="rollout samples per second per node (default 1000)")
+    p.add_argument("--batch-per-node", type=float, default=1000.0,
+                   help="samples each node contributes per learner update (default 1000)")
+    p.add_argument("--update-s", type=float, default=1.0, help="learner time per update (default 1 s)")
+    p.add_argument("--show-placement", action="store_true",
+                   help=f"print the placement table (clusters of at most {SHOW_PLACEMENT_MAX_RANKS} ranks)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        nodes = parse_nodes(args.nodes)
+        params = parse_count(args.params)
+        reports = [plan(n, args.gpus_per_node, params, args.dtype_bytes, args.learner_fraction, args.net_gbps,
+                        args.local_gbps, args.latency_us, colocate=args.colocate,
+                        bucket_bytes=args.bucket_mb * 2**20, samples_per_node_s=args.samples_per_node_s,
+                        batch_per_node=args.batch_per_node, update_s=args.update_s) for n in nodes]
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(format_table(reports))
+    print()
+    print(format_assumptions(reports[0], args.net_gbps, args.local_gbps, args.latency_us,
+                             args.samples_per_node_s, args.batch_per_node, args.update_s))
+    if args.show_placement:
+        for r in reports:
+            print()
+            if r.placement is not None and r.ranks <= SHOW_PLACEMENT_MAX_RANKS:
+                print(format_placement(r.placement, r.topology))
+            else:
+                print(f"placement for {r.nodes} nodes ({r.ranks} ranks): too large to list "
+                      f"(at most {SHOW_PLACEMENT_MAX_RANKS} ranks)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
