@@ -1,0 +1,27 @@
+"""Dual-pool memory manager: a sealed persistent pool for start-up tensors and a size-classed,
+reusing transient arena for per-step tensors. See :mod:`memory.pools` for the design."""
+
+from .budget import PoolBudgetError, device_total_memory, format_bytes, parse_budget
+from .pools import (
+    MIN_BLOCK_BYTES,
+    Lease,
+    MemoryManager,
+    PersistentPool,
+    PoolStats,
+    TransientPool,
+    size_class,
+)
+
+__all__ = [
+    "MIN_BLOCK_BYTES",
+    "Lease",
+    "MemoryManager",
+    "PersistentPool",
+    "PoolBudgetError",
+    "PoolStats",
+    "TransientPool",
+    "device_total_memory",
+    "format_bytes",
+    "parse_budget",
+    "size_class",
+]
