@@ -186,6 +186,13 @@ class SwimlaneConfig:
     """Capacity of the chunk queue between sampling and learning (backpressure beyond)."""
     trace: bool = True
     """Record lane spans to ``trace.json`` in the run directory (``dvla trace`` draws them)."""
+    topology: str = ""
+    """Hosts the ranks run on, for placement. Empty: discovered at start-up (host names
+    gathered through the torch.distributed store). Or given, e.g. ``2x4`` (2 hosts x 4
+    ranks, numbered host by host as torchrun does); it must cover the world size."""
+    hierarchical_broadcast: bool = True
+    """Across hosts, send each weights version once to one leader rank per host, which
+    fans it out locally. False: one flat broadcast group over all ranks."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = [(n, f"must be >= 1, got {getattr(self, n)}")
@@ -199,6 +206,32 @@ class SwimlaneConfig:
 
 
 @dataclass(kw_only=True)
+class MemoryConfig:
+    """The dual-pool memory manager (:mod:`memory`). Budgets are bytes (``1073741824``),
+    sizes with units (``512MiB``, ``2GB``), a fraction of the device's memory (``0.25``)
+    or ``0`` for none."""
+
+    enabled: bool = True
+    """Weights, optimizer state and weight buffers in the persistent pool; rollout buffers
+    and observation batches in the transient pool. False: plain allocation."""
+    persistent_budget: int | float | str = 0
+    """Budget of the persistent pool (allocated once at start-up, then sealed)."""
+    transient_budget: int | float | str = 0
+    """Budget of the transient pool (size-classed blocks reused step after step)."""
+
+    def _validate(self) -> list[tuple[str, str]]:
+        from memory import parse_budget  # the memory package imports this module
+
+        errs = []
+        for name in ("persistent_budget", "transient_budget"):
+            try:
+                parse_budget(getattr(self, name), "cpu", field=f"memory.{name}")
+            except ConfigError as exc:
+                errs.append((name, str(exc).split(": ", 1)[-1]))
+        return errs
+
+
+@dataclass(kw_only=True)
 class JobConfig:
     """Everything a training job needs."""
 
@@ -207,6 +240,7 @@ class JobConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     run: RunConfig = field(default_factory=RunConfig)
     swimlane: SwimlaneConfig = field(default_factory=SwimlaneConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []

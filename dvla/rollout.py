@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -35,20 +36,28 @@ class EpisodeRecorder:
     (with the bootstrap value of the last observation, if the policy has a value head).
     """
 
-    def __init__(self, env: BatchedEnv, action_chunk: int, episode_len: int):
+    def __init__(self, env: BatchedEnv, action_chunk: int, episode_len: int,
+                 alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None):
+        """``alloc(shape, dtype)`` provides the buffers (e.g. a transient-pool lease's
+        ``empty``); they are zeroed here. Default: plain ``torch.empty``."""
         self.b = env.n_envs
         self.t_len = episode_len
         t_len, b = episode_len, self.b
-        self.image = torch.zeros(t_len, b, *env.spec.image_shape, dtype=torch.uint8)
-        self.proprio = torch.zeros(t_len, b, env.spec.proprio_dim)
-        self.actions = torch.zeros(t_len, b, action_chunk, env.spec.action_dim)
-        self.log_probs = torch.zeros(t_len, b)
-        self.values = torch.zeros(t_len + 1, b)
-        self.rewards = torch.zeros(t_len, b)
-        self.terminated = torch.zeros(t_len, b, dtype=torch.bool)
-        self.truncated = torch.zeros(t_len, b, dtype=torch.bool)
-        self.valid = torch.zeros(t_len, b, dtype=torch.bool)
-        self.policy_version = torch.zeros(t_len, b, dtype=torch.long)
+        alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+
+        def zeros(*shape, dtype=torch.float32) -> Tensor:
+            return alloc(tuple(shape), dtype).zero_()
+
+        self.image = zeros(t_len, b, *env.spec.image_shape, dtype=torch.uint8)
+        self.proprio = zeros(t_len, b, env.spec.proprio_dim)
+        self.actions = zeros(t_len, b, action_chunk, env.spec.action_dim)
+        self.log_probs = zeros(t_len, b)
+        self.values = zeros(t_len + 1, b)
+        self.rewards = zeros(t_len, b)
+        self.terminated = zeros(t_len, b, dtype=torch.bool)
+        self.truncated = zeros(t_len, b, dtype=torch.bool)
+        self.valid = zeros(t_len, b, dtype=torch.bool)
+        self.policy_version = zeros(t_len, b, dtype=torch.long)
         self.done = torch.zeros(b, dtype=torch.bool)
         self.success = torch.zeros(b, dtype=torch.bool)
         self.t = 0

@@ -39,6 +39,7 @@ import hashlib
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -85,11 +86,21 @@ def _rebind(module: nn.Module, name: str, view: Tensor) -> None:
         owner._buffers[leaf] = view
 
 
+Alloc = Callable[[int, torch.dtype, torch.device, str], Tensor]
+"""``alloc(numel, dtype, device, tag)`` -> a 1-D tensor: where flat buckets come from
+(e.g. :meth:`memory.PersistentPool.empty`); ``torch.empty`` by default."""
+
+
+def _default_alloc(numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
 @torch.no_grad()
 def _layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket_bytes: int,
-                    device: torch.device) -> list[_Bucket]:
+                    device: torch.device, alloc: Alloc | None = None, tag: str = "weights") -> list[_Bucket]:
     """Allocate flat buckets (at most ``bucket_bytes``, one dtype each) and rebind every
     entry of ``module`` to its view in them."""
+    alloc = alloc or _default_alloc
     buckets: list[_Bucket] = []
     by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
     for name, t in entries:
@@ -101,7 +112,7 @@ def _layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket
         size = 0
         for item in items + [None]:
             if item is None or (group and size + item[1].numel() > cap):
-                flat = torch.empty(size, dtype=dtype, device=device)
+                flat = alloc(size, dtype, device, f"{tag}/bucket{len(buckets)}")
                 off = 0
                 for name, t in group:
                     _rebind(module, name, flat[off : off + t.numel()].view_as(t))
@@ -112,6 +123,14 @@ def _layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket
                 group.append(item)
                 size += item[1].numel()
     return buckets
+
+
+def flat_buckets(module: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, alloc: Alloc | None = None,
+                 tag: str = "weights") -> list[Tensor]:
+    """Lay ``module`` out in flat buckets (see :class:`WeightBroadcaster`) without any
+    collective; returns the flat tensors, e.g. for copying whole versions in one pass."""
+    entries = _entries(module)
+    return [b.flat for b in _layout_buckets(module, entries, bucket_bytes, entries[0][1].device, alloc, tag)]
 
 
 def layout_checksum(entries: list[tuple[str, Tensor]], bucket_bytes: int) -> int:
@@ -173,7 +192,8 @@ class WeightBroadcaster:
     :func:`hierarchical_stages`)."""
 
     def __init__(self, module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stages: list[Stage] | None = None):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, stages: list[Stage] | None = None,
+                 alloc: Alloc | None = None):
         if bucket_bytes < 1:
             raise ValueError(f"control_plane.bucket_bytes: must be >= 1, got {bucket_bytes}")
         self.module = module
@@ -191,6 +211,7 @@ class WeightBroadcaster:
         if self.is_src and len(self._send_stages) != len(stages):
             raise ValueError("control plane: the source rank only sends")
         self.traffic: collections.Counter = collections.Counter()
+        self.alloc = alloc
         self.bucket_bytes = bucket_bytes
         entries = _entries(module)
         if not entries:
@@ -220,18 +241,18 @@ class WeightBroadcaster:
             )
 
     def _build_buckets(self, entries: list[tuple[str, Tensor]]) -> list[_Bucket]:
-        buckets = _layout_buckets(self.module, entries, self.bucket_bytes, self.device)
+        buckets = _layout_buckets(self.module, entries, self.bucket_bytes, self.device, self.alloc, "broadcast")
         self._ptrs = [t.data_ptr() for _, t in _entries(self.module)]
         return buckets
 
-    def bind_replica(self, module: nn.Module) -> list[Tensor]:
+    def bind_replica(self, module: nn.Module, tag: str = "replica") -> list[Tensor]:
         """Lay ``module`` (a second copy of the same model, e.g. a standby inference replica)
         out in buckets of this broadcaster's layout and return its flat tensors, so that
         ``receive(into=...)`` writes straight into it. No collective is involved."""
         entries = _entries(module)
         if layout_checksum(entries, self.bucket_bytes) != self.checksum:
             raise LayoutMismatchError("control plane: bind_replica() got a module with a different layout")
-        return [b.flat for b in _layout_buckets(module, entries, self.bucket_bytes, self.device)]
+        return [b.flat for b in _layout_buckets(module, entries, self.bucket_bytes, self.device, self.alloc, tag)]
 
     def _check_aliasing(self) -> None:
         if [t.data_ptr() for _, t in _entries(self.module)] != self._ptrs:

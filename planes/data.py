@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import msgpack
 import zmq
@@ -385,10 +385,13 @@ class TrajectorySender:
             except zmq.Again:
                 pass  # the receiver is gone or slow: it will notice our silence
 
-    def send(self, kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = None) -> int:
+    def send(self, kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = None,
+             on_done: Callable[[], None] | None = None) -> int:
         """Queue one message without copying tensor memory; returns its sequence number.
 
-        Blocks while the receiver applies backpressure, at most ``send_timeout_s``."""
+        Blocks while the receiver applies backpressure, at most ``send_timeout_s``.
+        ``on_done`` is called (on a later ``send``, ``flush`` or ``close``) once ZeroMQ no
+        longer reads the tensors' memory, or right away if nothing was sent zero-copy."""
         self._reap()
         meta = dict(meta or {})
         seq = self.seq
@@ -409,14 +412,21 @@ class TrajectorySender:
                 f"data plane: receiver at {self.address} took nothing for {self.cfg.send_timeout_s}s"
             ) from None
         if tracked:
-            self._pending.append((zmq.MessageTracker(*tracked), tensors))
+            self._pending.append((zmq.MessageTracker(*tracked), tensors, on_done))
+        elif on_done is not None:
+            on_done()
         self.seq += 1
         self.counters.sent += 1
         return seq
 
     def _reap(self) -> None:
         while self._pending and self._pending[0][0].done:
-            self._pending.popleft()
+            self._done(self._pending.popleft())
+
+    @staticmethod
+    def _done(entry) -> None:
+        if entry[2] is not None:
+            entry[2]()
 
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until ZeroMQ no longer needs any tensor passed to ``send``."""
@@ -424,7 +434,7 @@ class TrajectorySender:
         while self._pending:
             tracker = self._pending[0][0]
             tracker.wait(max(0.0, deadline - time.monotonic()))
-            self._pending.popleft()
+            self._done(self._pending.popleft())
 
     def close(self) -> None:
         self._stop.set()

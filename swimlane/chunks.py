@@ -4,7 +4,11 @@ A chunk is one env group's batch of episodes (a :class:`RolloutBatch`) plus a li
 metadata (producing rank and group, a per-sender sequence number). In one process it
 goes through a bounded in-process queue; across processes over the ZeroMQ data plane
 (:mod:`planes.data`), where each tensor is a zero-copy frame. Both sides of both paths
-have the same small interface: ``put(batch, meta)`` and ``get(timeout)``.
+have the same small interface: ``put(batch, meta, stop, on_done)`` and ``get(timeout)``,
+which returns ``(batch, meta, on_done)``. ``on_done`` (optional) is called once the
+chunk's memory is no longer needed: by the learner after its update in one process, by
+the data plane once ZeroMQ has sent the frames across processes. The swimlane uses it
+to give rollout buffers back to the transient memory pool.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -70,10 +74,11 @@ class LocalChunks:
     def __init__(self, capacity: int):
         self._q: queue.Queue = queue.Queue(maxsize=capacity)
 
-    def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event) -> bool:
+    def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event,
+            on_done: Callable[[], None] | None = None) -> bool:
         while not stop.is_set():
             try:
-                self._q.put((batch, meta), timeout=0.05)
+                self._q.put((batch, meta, on_done), timeout=0.05)
                 return True
             except queue.Full:
                 continue
@@ -82,7 +87,7 @@ class LocalChunks:
     def end(self, meta: dict[str, Any]) -> None:
         pass
 
-    def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any]] | None:
+    def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any], Callable[[], None] | None] | None:
         try:
             return self._q.get(timeout=timeout)
         except queue.Empty:
@@ -101,8 +106,9 @@ class RemoteChunkSink:
     def __init__(self, sender: TrajectorySender):
         self.sender = sender
 
-    def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event) -> bool:
-        self.sender.send(CHUNK_KIND, batch.to_dict(), meta)
+    def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event,
+            on_done: Callable[[], None] | None = None) -> bool:
+        self.sender.send(CHUNK_KIND, batch.to_dict(), meta, on_done=on_done)
         return True
 
     def end(self, meta: dict[str, Any]) -> None:
@@ -120,7 +126,7 @@ class RemoteChunkSource:
         self.ended: set[str] = set()
         self.invalid = 0
 
-    def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any]] | None:
+    def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any], None] | None:
         msg = self.receiver.get(timeout=timeout)
         if msg is None:
             return None
@@ -130,7 +136,7 @@ class RemoteChunkSource:
         try:
             if msg.kind != CHUNK_KIND:
                 raise ChunkError(f"unexpected message kind {msg.kind!r}")
-            return batch_from_tensors(msg.tensors), msg.meta
+            return batch_from_tensors(msg.tensors), msg.meta, None
         except ChunkError as exc:
             self.invalid += 1
             self.receiver.counters.rejected["invalid_chunk"] += 1

@@ -17,8 +17,13 @@
   control plane (:mod:`planes.control`) to the other ranks, whose own broadcast lane
   receives it straight into their standby replica.
 
-Roles: ranks ``< swimlane.learner_ranks`` learn; rollout lanes run on the other ranks
-and, with ``colocate``, on the learner ranks too. One process runs all four lanes.
+Roles come from :func:`launch.placement.place` over the topology (hosts discovered at
+start-up or given as ``swimlane.topology``): ``swimlane.learner_ranks`` learners packed
+onto as few hosts as possible, starting with rank 0 (which also publishes); rollout
+lanes on the other ranks and, with ``colocate``, on the learners too. Each rollout rank
+sends its chunks to one learner, on its own host (``ipc://``) when it can, else over
+``tcp://``. Weights go down the placement's broadcast tree: once to a leader rank per
+host, then to the host's other ranks. One process runs all four lanes.
 
 ``sync`` mode runs the same lanes with barriers: each env group is stepped only after
 its actions are back, and a new round of episodes starts only once the weights learned
@@ -31,9 +36,11 @@ An exception in any lane stops the run and is re-raised by :meth:`Swimlane.run` 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -54,7 +61,11 @@ from dvla.policy import ActOutput, PolicySpec, build_policy
 from dvla.rollout import EpisodeRecorder
 from dvla.trainer import allreduce_mean_grads, episode_stats, mean_over_group, resolve_device, save_weights
 from dvla.types import Observation, RolloutBatch
-from planes.control import SHUTDOWN, WeightBroadcaster, module_weights, new_control_group
+from launch.placement import Placement, format_placement, place
+from launch.topology import Topology, describe, discover, from_spec
+from memory import MemoryManager, TransientPool, parse_budget
+from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchical_stages, module_weights,
+                            new_control_group)
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
 from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, concat
 from swimlane.trace import Tracer, utilization
@@ -81,11 +92,19 @@ class _Request:
     obs: Observation
 
 
-def _cat_obs(obs: list[Observation]) -> Observation:
+def _cat_obs(obs: list[Observation], lease=None) -> Observation:
+    """One observation batch from several requests (into ``lease``'s pool when given)."""
     if len(obs) == 1:
         return obs[0]
-    return Observation(image=torch.cat([o.image for o in obs]), proprio=torch.cat([o.proprio for o in obs]),
-                       instruction_ids=torch.cat([o.instruction_ids for o in obs]))
+
+    def cat(ts):
+        if lease is None:
+            return torch.cat(ts)
+        out = lease.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype)
+        return torch.cat(ts, out=out)
+
+    return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]),
+                       instruction_ids=cat([o.instruction_ids for o in obs]))
 
 
 def env_steps(batch: RolloutBatch) -> int:
@@ -109,9 +128,11 @@ class Swimlane:
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         self.device = resolve_device(cfg.run.device)
-        self.is_learner = rank < sl.learner_ranks
-        self.is_rollout = not self.is_learner or sl.colocate
-        self.rollout_ranks = [r for r in range(world_size) if r >= sl.learner_ranks or sl.colocate]
+        self.topology, self.placement = self._place()
+        pl = self.placement
+        self.is_learner = rank in pl.learners
+        self.is_rollout = rank in pl.rollout
+        self.rollout_ranks = pl.rollout
         self.group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1
         self.iterations = cfg.run.iterations
         self.out_dir = Path(cfg.run.out_dir)
@@ -120,6 +141,17 @@ class Swimlane:
         self.rollout_stop = threading.Event()  # the learner is done: rollout lanes wind down
         self.learner_done = threading.Event()
         self.errors: list[LaneError] = []
+
+        self.memory = self.host_pool = None
+        if cfg.memory.enabled:
+            self.memory = MemoryManager(
+                self.device, parse_budget(cfg.memory.persistent_budget, self.device, "memory.persistent_budget"),
+                parse_budget(cfg.memory.transient_budget, self.device, "memory.transient_budget"))
+            # Rollout buffers live in host memory (they go to the data plane from there).
+            self.host_pool = self.memory.transient
+            if self.device.type != "cpu":
+                self.host_pool = TransientPool("cpu", parse_budget(cfg.memory.transient_budget, "cpu"),
+                                               name="transient_host")
 
         # Same construction order as the synchronous trainer, so seeds give equal weights.
         seed = cfg.run.seed
@@ -136,19 +168,29 @@ class Swimlane:
 
         # Process groups (every rank must create every group, in the same order).
         self.learner_group = self.control_group = None
+        self.stages = None
         if world_size > 1:
-            self.learner_group = dist.new_group(list(range(sl.learner_ranks)))
+            self.learner_group = dist.new_group(pl.learners)
             self.control_group = new_control_group()
+            tree = pl.tree
+            if sl.hierarchical_broadcast and len(tree.leaders) > 1:
+                self.stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source)
 
         if self.is_learner:
             sync = None
             if sl.learner_ranks > 1:
                 sync = partial(allreduce_mean_grads, group=self.learner_group)
+            if self.memory is not None:  # the learner's weights live in persistent buckets
+                flat_buckets(self.policy, alloc=self._persistent_alloc, tag="policy")
             self.algo = build_algorithm(cfg.algo, self.policy, sync)
+            if self.memory is not None:
+                self.memory.persistent.adopt_optimizer(self.algo.optimizer)
             self.learn_gen = torch.Generator().manual_seed(seed + 2)
         self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 104729 * rank + 1)
 
         self._setup_weights()
+        if self.memory is not None:
+            self.memory.persistent.seal()  # from here on, only the transient pool allocates
         # Few chunks in flight: every buffered chunk is one that ages while it waits.
         self._setup_data_plane(data_plane or DataPlaneConfig(send_hwm=1, recv_hwm=1))
 
@@ -167,45 +209,81 @@ class Swimlane:
         self._start_time = time.perf_counter()
 
     # -- set-up ----------------------------------------------------------------------------
+    def _place(self) -> tuple[Topology, Placement]:
+        """Hosts of all ranks (given or discovered), then roles, routes and broadcast tree."""
+        sl, world = self.sl, self.world_size
+        if sl.topology:
+            try:
+                topo = from_spec(sl.topology)
+            except ValueError as exc:
+                raise ConfigError(f"swimlane.topology: {exc}") from None
+            if topo.world_size != world:
+                raise ConfigError(f"swimlane.topology: {sl.topology!r} describes {topo.world_size} ranks, "
+                                  f"the world has {world}")
+        elif world == 1:
+            topo = from_spec("1x1")
+        else:
+            topo = discover(dist.distributed_c10d._get_default_store(), self.rank, world,
+                            local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+        try:
+            placement = place(topo, sl.learner_ranks, sl.colocate)
+        except ValueError as exc:
+            raise ConfigError(f"swimlane.learner_ranks: {exc}") from None
+        if placement.source != 0:
+            raise ConfigError("swimlane: rank 0 must be the first learner (placement chose "
+                              f"{placement.source})")
+        if world > 1 and self.rank == 0:
+            log.info("topology: %s", describe(topo))
+            log.info("placement:\n%s", format_placement(placement, topo))
+        return topo, placement
+
+    def _persistent_alloc(self, numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> torch.Tensor:
+        return self.memory.persistent.empty((numel,), dtype, tag=tag)
+
     def _setup_weights(self) -> None:
-        """Inference replicas (double-buffered), the learner's snapshot and the broadcaster."""
+        """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
+        all laid out in flat buckets (from the persistent pool when memory is managed)."""
         self.bc = None
         self.snapshot = None
         self.weights = None
+        alloc = self._persistent_alloc if self.memory is not None else None
         replicas = [copy.deepcopy(self.policy).requires_grad_(False) for _ in range(2)]
         if self.world_size == 1:
             self.snapshot = copy.deepcopy(self.policy).requires_grad_(False)
-            self.snap_flats = module_weights(self.snapshot)
-            self.weights = DoubleBufferedWeights(replicas, [module_weights(r) for r in replicas])
+            self.snap_flats = flat_buckets(self.snapshot, alloc=alloc, tag="snapshot")
+            flats = [flat_buckets(r, alloc=alloc, tag=f"replica{i}") for i, r in enumerate(replicas)]
+            self.weights = DoubleBufferedWeights(replicas, flats)
             return
         if self.rank == 0:
             self.snapshot = copy.deepcopy(self.policy).requires_grad_(False)
-            self.bc = WeightBroadcaster(self.snapshot, src=0, group=self.control_group)
+            self.bc = WeightBroadcaster(self.snapshot, src=0, group=self.control_group, stages=self.stages,
+                                        alloc=alloc)
             self.snap_flats = [b.flat for b in self.bc.buckets]
-            flats = [self.bc.bind_replica(r) for r in replicas]
+            flats = [self.bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
         else:
-            self.bc = WeightBroadcaster(replicas[0], src=0, group=self.control_group)
-            flats = [[b.flat for b in self.bc.buckets], self.bc.bind_replica(replicas[1])]
+            self.bc = WeightBroadcaster(replicas[0], src=0, group=self.control_group, stages=self.stages,
+                                        alloc=alloc)
+            flats = [[b.flat for b in self.bc.buckets], self.bc.bind_replica(replicas[1], tag="replica1")]
         self.weights = DoubleBufferedWeights(replicas, flats)
 
     def _setup_data_plane(self, dp: DataPlaneConfig) -> None:
         """Local queue in one process; otherwise every learner rank binds a receiver and
-        each rollout rank sends to learner ``index % learner_ranks``."""
+        each rollout rank sends to the learner (and over the transport) its placement says."""
         self.source = self.sink = None
         self.expected_senders: list[str] = []
         if self.world_size == 1:
             self.source = self.sink = LocalChunks(self.sl.queue_size)
             return
         store = dist.distributed_c10d._get_default_store()
-        n_learn = self.sl.learner_ranks
+        pl = self.placement
         if self.is_learner:
             dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": self.sl.queue_size})
             self.source = RemoteChunkSource(TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{self.rank}"))
-            self.expected_senders = [f"rank{r}" for i, r in enumerate(self.rollout_ranks) if i % n_learn == self.rank]
+            self.expected_senders = [f"rank{r}" for r in pl.senders_of(self.rank)]
         if self.is_rollout:
-            target = self.rollout_ranks.index(self.rank) % n_learn
-            endpoints = lookup_endpoints(store, key=f"dvla/data/{target}")
-            self.sink = RemoteChunkSink(TrajectorySender(endpoints, dp, sender_id=f"rank{self.rank}"))
+            endpoints = lookup_endpoints(store, key=f"dvla/data/{pl.routes[self.rank]}")
+            dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": pl.transports[self.rank]})
+            self.sink = RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{self.rank}"))
 
     # -- lane plumbing ---------------------------------------------------------------------
     def _lane(self, name: str, fn) -> threading.Thread:
@@ -249,20 +327,25 @@ class Swimlane:
         # to version ~ c * n_routed / chunks_per_update. Starting it with weights more than
         # max_staleness versions older than that would only produce data the learner
         # drops: wait for newer weights instead.
-        n_learn = self.sl.learner_ranks
-        n_routed = sum(1 for i in range(n_rollout) if i % n_learn == ridx % n_learn)
+        n_routed = len(self.placement.senders_of(self.placement.routes[self.rank]))
         per_version = self.sl.chunks_per_update / n_routed
         started = 0
 
         def version_needed() -> int:
             return int(started / per_version) - self.sl.max_staleness
 
+        leases = [None] * G
+
         def start(g: int) -> None:
             nonlocal started
             started += 1
             with tr.span("sampling", "reset"):
                 obs = self.policy.prepare(self.envs[g].reset(self.group_size))
-                recs[g] = EpisodeRecorder(self.envs[g], K, self.cfg.env.episode_len)
+                alloc = None
+                if self.memory is not None:  # rollout buffers from the transient pool
+                    leases[g] = self.host_pool.lease()
+                    alloc = leases[g].empty
+                recs[g] = EpisodeRecorder(self.envs[g], K, self.cfg.env.episode_len, alloc=alloc)
                 recs[g].start(obs)
             self._requests.put(_Request(g, "act", obs))
 
@@ -271,8 +354,10 @@ class Swimlane:
             batch = recs[g].build(torch.arange(self.cfg.env.n_envs) // self.group_size + offset, last_value)
             meta = {"rank": self.rank, "group": g, "chunk": chunk_idx[g]}
             chunk_idx[g] += 1
+            on_done = leases[g].release if leases[g] is not None else None
+            recs[g] = leases[g] = None
             with tr.span("sampling", "send"):
-                if self.sink.put(batch, meta, self.rollout_stop):
+                if self.sink.put(batch, meta, self.rollout_stop, on_done):
                     self.counters["chunks_sent"] += 1
 
         def on_reply(g: int, kind: str, out, version: int) -> bool:
@@ -363,11 +448,14 @@ class Swimlane:
                 if not batch:
                     continue
                 with tr.span("inference", "infer" if kind == "act" else "value"):
-                    obs = _cat_obs([r.obs for r in batch])
+                    lease = self.memory.transient.lease() if self.memory is not None else None
+                    obs = _cat_obs([r.obs for r in batch], lease)
                     if kind == "act":
                         out = policy.act(obs, generator=self.sample_gen)
                     else:
                         out = policy.value(obs)
+                    if lease is not None:
+                        lease.release()
                     start = 0
                     for r in batch:
                         n = r.obs.batch_size
@@ -396,6 +484,7 @@ class Swimlane:
         try:
             while self.version < self.iterations and not self.stop_event.is_set():
                 chunks: list[RolloutBatch] = []
+                releases: list = []
                 while len(chunks) < need and not self.stop_event.is_set():
                     if self._handoff_pending and self._snap_free.is_set():
                         self._handoff(wait=False)  # a version skipped while the lane was busy
@@ -403,37 +492,56 @@ class Swimlane:
                         item = self.source.get(timeout=_POLL_S)
                     if item is None:
                         continue
-                    batch, _meta = item
+                    batch, _meta, on_done = item
                     steps = env_steps(batch)
                     self.counters["env_steps_sampled"] += steps
                     lag = self.version - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
                     if lag > self.sl.max_staleness:
                         self.counters["dropped_stale"] += 1
                         tr.add("gradient", "stale_drop", time.perf_counter(), time.perf_counter())
+                        if on_done is not None:
+                            on_done()
                         continue
                     steps_total += steps
                     chunks.append(batch)
+                    releases.append(on_done)
                 if len(chunks) < need:
                     break
                 batch = concat(chunks)
                 self.counters["chunks_consumed"] += len(chunks)
                 t0 = time.perf_counter()
-                with tr.span("gradient", "learn"):
+                with tr.span("gradient", "learn"), self._activations():
                     learn = self.algo.update(batch, self.learn_gen, learner_version=self.version)
                 learn_s = time.perf_counter() - t0
                 self.version += 1
                 stats, steps_global = self._global_stats(batch, steps_total)
+                del batch, chunks
+                for release in releases:  # the rollout buffers go back to the transient pool
+                    if release is not None:
+                        release()
                 wall = time.perf_counter() - self._start_time
                 m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
                      "env_steps_per_s": steps_global / wall, "learn_s": learn_s,
                      "dropped_stale": self.counters["dropped_stale"], "queue_depth": self.source.depth(),
-                     **stats, **learn}
+                     **stats, **learn, **self._memory_metrics()}
                 self.history.append(logger.log(self.version - 1, m))
                 if lead and (self.version % self.sl.broadcast_every == 0 or self.version == self.iterations):
                     self._handoff(wait=self.sl.mode == "sync" or self.version == self.iterations)
         finally:
             logger.close()
             self.learner_done.set()
+
+    def _activations(self):
+        """On CUDA, the learner's activations go to the transient pool's segments."""
+        return self.memory.transient.activations() if self.memory is not None else contextlib.nullcontext()
+
+    def _memory_metrics(self) -> dict[str, float]:
+        if self.memory is None:
+            return {}
+        m = self.memory.metrics()
+        if self.host_pool is not self.memory.transient:
+            m.update(self.host_pool.stats().as_metrics())
+        return m
 
     def _global_stats(self, batch: RolloutBatch, steps_total: int) -> tuple[dict[str, float], int]:
         """Episode stats averaged and consumed env steps summed over the learner ranks."""
@@ -575,7 +683,22 @@ class Swimlane:
             "wall_s": wall, **self.counters,
             "weight_swaps": self.weights.swaps,
             "lane_utilization": {k: round(v["utilization"], 4) for k, v in util.items()},
+            "host": self.topology.hosts[self.topology.host_of(self.rank)].name,
+            "role": self.placement.role(self.rank),
         }
+        if self.memory is not None:
+            summary["memory"] = self.memory.summary()
+            if self.host_pool is not self.memory.transient:
+                summary["memory"]["transient_host"] = self.host_pool.stats().as_dict()
+        if self.bc is not None:
+            summary["broadcast_traffic"] = dict(self.bc.traffic)
+        if self.world_size > 1 and self.is_rollout:
+            summary["data_route"] = {"learner": self.placement.routes[self.rank],
+                                     "transport": self.placement.transports[self.rank],
+                                     "address": self.sink.sender.address}
+        if self.rank == 0:
+            summary["topology"] = self.topology.to_dict()
+            summary["placement"] = self.placement.to_dict()
         if self.is_learner:
             steps = int(self.history[-1]["env_steps"]) if self.history else 0
             summary.update(env_steps=steps, env_steps_per_s=steps / wall if wall > 0 else 0.0,
@@ -587,4 +710,7 @@ class Swimlane:
         if self.rank == 0:
             save_weights(self.policy, self.out_dir / "weights.safetensors", self.version)
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        elif self.world_size > 1:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / f"summary_rank{self.rank}.json").write_text(json.dumps(summary, indent=2))
         return summary

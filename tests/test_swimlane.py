@@ -64,6 +64,46 @@ def test_async_run_overlaps_lanes_and_writes_outputs(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_run_memory_lives_in_the_two_pools(tmp_path):
+    """Weights, optimizer state and weight buffers come from the persistent pool (sealed
+    after start-up); rollout buffers and observation batches are reused from the transient
+    pool, so a long run stops creating blocks after its first updates."""
+    cfg = cfg_for(tmp_path, "run.iterations=12", "swimlane.env_groups=2")
+    lanes = Swimlane(cfg)
+    assert lanes.memory.persistent.sealed
+    tags = set(lanes.memory.persistent.tensors())
+    for prefix in ("policy/", "optimizer/exp_avg", "optimizer/exp_avg_sq", "snapshot/", "replica0/", "replica1/"):
+        assert any(t.startswith(prefix) for t in tags), (prefix, tags)
+    # The learner's parameters and Adam state are views into persistent memory.
+    p = next(lanes.policy.parameters())
+    assert lanes.algo.optimizer.state[p]["exp_avg"].shape == p.shape
+    summary = lanes.run()
+    mem = summary["memory"]
+    tr = mem["transient"]
+    assert tr["reuses"] > 3 * tr["allocations"] > 0
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    created = [r["mem/transient/allocations"] for r in rows]
+    assert created[-1] == created[len(created) // 2]  # steady state: no new blocks
+    assert all(r["mem/persistent/reserved_mb"] == rows[0]["mem/persistent/reserved_mb"] for r in rows)
+    # Chunks handed back after each update: only what is in flight stays in use.
+    assert tr["in_use_bytes"] <= tr["peak_in_use_bytes"] and tr["peak_in_use_bytes"] < tr["reserved_bytes"] * 1.01
+
+
+def test_memory_budgets_stop_the_run_with_a_clear_error(tmp_path):
+    from memory import PoolBudgetError
+
+    with pytest.raises(PoolBudgetError, match="persistent pool.*budget of 64.0 KiB"):
+        Swimlane(cfg_for(tmp_path, "memory.persistent_budget=64KiB"))
+    lanes = Swimlane(cfg_for(tmp_path, "memory.transient_budget=8KiB", name="t"))
+    with pytest.raises(LaneError, match="sampling.*transient pool: a request of .* budget of 8.0 KiB"):
+        lanes.run()
+    with pytest.raises(ConfigError, match="memory.transient_budget"):
+        cfg_for(tmp_path, "memory.transient_budget=lots").validate()
+    # Unmanaged memory (plain allocation) trains the same way.
+    summary = Swimlane(cfg_for(tmp_path, "memory.enabled=false", name="plain")).run()
+    assert "memory" not in summary and summary["version"] == 3
+
+
 def _chunk(policy, env, version, offset):
     return collect_episodes(env, policy, 8, group_size=4, policy_version=version, group_offset=offset)
 
