@@ -181,6 +181,10 @@ def test_bad_roles_are_config_errors(tmp_path):
         Swimlane(cfg_for(tmp_path, "swimlane.learner_ranks=2"))
     with pytest.raises(ConfigError, match="swimlane.colocate"):
         Swimlane(cfg_for(tmp_path, "swimlane.colocate=false"))
+    with pytest.raises(ConfigError, match="swimlane.topology: '2x2' describes 4 ranks, the world has 1"):
+        Swimlane(cfg_for(tmp_path, "swimlane.topology=2x2"))
+    with pytest.raises(ConfigError, match="swimlane.topology: "):
+        Swimlane(cfg_for(tmp_path, "swimlane.topology=two hosts"))
     with pytest.raises(ConfigError, match="swimlane.broadcast_every: must be 1 in sync mode"):
         cfg_for(tmp_path, "swimlane.mode=sync", "swimlane.broadcast_every=2").validate()
 
