@@ -186,6 +186,10 @@ class SwimlaneConfig:
     """Capacity of the chunk queue between sampling and learning (backpressure beyond)."""
     trace: bool = True
     """Record lane spans to ``trace.json`` in the run directory (``dvla trace`` draws them)."""
+    max_env_failures: int = 3
+    """A simulator exception in an env group drops that group's batch of episodes and
+    resets the group (counted as ``env_errors``); this many failures of one group in a
+    row stop the run."""
     topology: str = ""
     """Hosts the ranks run on, for placement. Empty: discovered at start-up (host names
     gathered through the torch.distributed store). Or given, e.g. ``2x4`` (2 hosts x 4
@@ -196,7 +200,8 @@ class SwimlaneConfig:
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = [(n, f"must be >= 1, got {getattr(self, n)}")
-                for n in ("env_groups", "learner_ranks", "chunks_per_update", "broadcast_every", "queue_size")
+                for n in ("env_groups", "learner_ranks", "chunks_per_update", "broadcast_every", "queue_size",
+                          "max_env_failures")
                 if getattr(self, n) < 1]
         if self.max_staleness < 0:
             errs.append(("max_staleness", f"must be >= 0, got {self.max_staleness}"))

@@ -348,6 +348,11 @@ def discover(store, rank: int, world_size: int, local_rank: int = 0, prefix: str
 
 # -- given in config --------------------------------------------------------------------------------
 
+def local_topology(links: bool = False) -> Topology:
+    """This process alone (a world of one), with what it can see of its host."""
+    return _group([local_info(0, 0, links=links)], 1)
+
+
 def _uniform(counts: list[int], gpus: int | None) -> Topology:
     hosts, r = [], 0
     for i, n in enumerate(counts):

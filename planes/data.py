@@ -131,6 +131,7 @@ class TrajectoryReceiver:
         self._queue: queue.Queue[Message] = queue.Queue(maxsize=self.cfg.recv_queue)
         self._peers: dict[str, float] = {}
         self._dead: dict[str, float] = {}
+        self._sent: dict[str, int] = {}  # per sender: messages it says it has sent
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -269,6 +270,9 @@ class TrajectoryReceiver:
                 log.warning("data plane: sender %s is alive again", sender)
                 del self._dead[sender]
             self._peers[sender] = now
+            sent = meta.get("sent") if kind == HEARTBEAT_KIND else seq + 1
+            if isinstance(sent, int) and sent > self._sent.get(sender, 0):
+                self._sent[sender] = sent
         if kind == HEARTBEAT_KIND:
             return None
         self.counters.received += 1
@@ -306,6 +310,14 @@ class TrajectoryReceiver:
     def dead_peers(self) -> list[str]:
         with self._lock:
             return sorted(self._dead)
+
+    @property
+    def reported_sent(self) -> dict[str, int]:
+        """Per sender, the messages it has sent as far as this receiver knows (from its
+        heartbeats and the sequence numbers received); more than arrived means some are
+        still in flight or were lost."""
+        with self._lock:
+            return dict(self._sent)
 
     def close(self) -> None:
         self._stop.set()
@@ -378,7 +390,9 @@ class TrajectorySender:
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(self.cfg.heartbeat_s):
-            frames = encode(HEARTBEAT_KIND, {}, {"sender": self.sender_id, "seq": -1})
+            # ``sent``: messages handed to ZeroMQ so far, so the receiver knows what a sender
+            # that dies had sent, including what never arrived.
+            frames = encode(HEARTBEAT_KIND, {}, {"sender": self.sender_id, "seq": -1, "sent": self.seq})
             try:
                 with self._hb_lock:
                     self._hb.send_multipart(frames, flags=zmq.NOBLOCK)

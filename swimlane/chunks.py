@@ -13,6 +13,7 @@ to give rollout buffers back to the transient memory pool.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -123,7 +124,8 @@ class RemoteChunkSource:
 
     def __init__(self, receiver: TrajectoryReceiver):
         self.receiver = receiver
-        self.ended: set[str] = set()
+        self.ended: dict[str, int] = {}  # sender -> chunks it says it sent in all
+        self.received: collections.Counter = collections.Counter()  # sender -> chunk messages
         self.invalid = 0
 
     def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any], None] | None:
@@ -131,8 +133,10 @@ class RemoteChunkSource:
         if msg is None:
             return None
         if msg.kind == END_KIND:
-            self.ended.add(msg.sender)
+            total = msg.meta.get("chunks")
+            self.ended[msg.sender] = total if isinstance(total, int) else self.received[msg.sender]
             return None
+        self.received[msg.sender] += 1
         try:
             if msg.kind != CHUNK_KIND:
                 raise ChunkError(f"unexpected message kind {msg.kind!r}")

@@ -62,7 +62,7 @@ from dvla.rollout import EpisodeRecorder
 from dvla.trainer import allreduce_mean_grads, episode_stats, mean_over_group, resolve_device, save_weights
 from dvla.types import Observation, RolloutBatch
 from launch.placement import Placement, format_placement, place
-from launch.topology import Topology, describe, discover, from_spec
+from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import MemoryManager, TransientPool, parse_budget
 from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchical_stages, module_weights,
                             new_control_group)
@@ -204,7 +204,8 @@ class Swimlane:
         self._snap_version = -1
         self._handoff_pending = False
         self.counters = {"chunks_sent": 0, "chunks_consumed": 0, "dropped_stale": 0, "publishes": 0,
-                         "publish_skipped_busy": 0, "env_steps_sampled": 0, "throttle_timeouts": 0}
+                         "publish_skipped_busy": 0, "env_steps_sampled": 0, "throttle_timeouts": 0,
+                         "env_errors": 0, "discarded_after_run": 0}
         self.history: list[dict[str, Any]] = []
         self._start_time = time.perf_counter()
 
@@ -221,7 +222,7 @@ class Swimlane:
                 raise ConfigError(f"swimlane.topology: {sl.topology!r} describes {topo.world_size} ranks, "
                                   f"the world has {world}")
         elif world == 1:
-            topo = from_spec("1x1")
+            topo = local_topology()
         else:
             topo = discover(dist.distributed_c10d._get_default_store(), self.rank, world,
                             local_rank=int(os.environ.get("LOCAL_RANK", 0)))
@@ -336,7 +337,31 @@ class Swimlane:
 
         leases = [None] * G
 
+        failures = [0] * G  # consecutive simulator failures per group
+
+        def recover(g: int, exc: Exception) -> None:
+            """A simulator error in group ``g``: drop its batch of episodes, count it, and
+            reset the group, unless it keeps failing (then the run stops with the error)."""
+            failures[g] += 1
+            self.counters["env_errors"] += 1
+            now = time.perf_counter()
+            tr.add("sampling", "env_error", now, now)
+            if leases[g] is not None:
+                leases[g].release()
+            recs[g] = leases[g] = None
+            if failures[g] >= self.sl.max_env_failures:
+                raise RuntimeError(f"env group {g} failed {failures[g]} times in a row "
+                                   f"(swimlane.max_env_failures={self.sl.max_env_failures}): {exc!r}") from exc
+            log.error("env group %d failed (%d in a row), resetting it: %r", g, failures[g], exc)
+
         def start(g: int) -> None:
+            while True:
+                try:
+                    return _start(g)
+                except Exception as exc:  # reset failed: count it, maybe give up, try again
+                    recover(g, exc)
+
+        def _start(g: int) -> None:
             nonlocal started
             started += 1
             with tr.span("sampling", "reset"):
@@ -365,8 +390,14 @@ class Swimlane:
             if kind == "value":
                 emit(g, out)
                 return True
-            with tr.span("sampling", "sim"):
-                res = self.envs[g].step(out.actions)
+            try:
+                with tr.span("sampling", "sim"):
+                    res = self.envs[g].step(out.actions)
+            except Exception as exc:
+                recover(g, exc)
+                start(g)  # a fresh batch of episodes for this group
+                return False
+            failures[g] = 0
             obs = recs[g].record(out, res, version)
             if not recs[g].finished:
                 self._requests.put(_Request(g, "act", obs))
@@ -506,6 +537,7 @@ class Swimlane:
                     chunks.append(batch)
                     releases.append(on_done)
                 if len(chunks) < need:
+                    self.counters["discarded_after_run"] += len(chunks)  # stopped mid-collection
                     break
                 batch = concat(chunks)
                 self.counters["chunks_consumed"] += len(chunks)
@@ -523,6 +555,7 @@ class Swimlane:
                 m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
                      "env_steps_per_s": steps_global / wall, "learn_s": learn_s,
                      "dropped_stale": self.counters["dropped_stale"], "queue_depth": self.source.depth(),
+                     "chunks_consumed": self.counters["chunks_consumed"], "env_errors": self.counters["env_errors"],
                      **stats, **learn, **self._memory_metrics()}
                 self.history.append(logger.log(self.version - 1, m))
                 if lead and (self.version % self.sl.broadcast_every == 0 or self.version == self.iterations):
@@ -649,18 +682,58 @@ class Swimlane:
                 self.request_stop()
             for t in threads:
                 t.join(timeout=5.0)
+            if self.is_learner and not self.errors:
+                self._drain(wait=not drained and self.world_size > 1)
             self._close()
         if self.errors:
             raise self.errors[0]
         return self._finish()
 
-    def _drain(self) -> None:
-        """After the last update: read (and discard) what rollout ranks still send until
-        each has said it ended, so none stays blocked on backpressure."""
+    def _drain(self, wait: bool = True) -> None:
+        """After the last update: read (and discard, counted) what rollout ranks still
+        send until each has said it ended (``wait``), so none stays blocked on
+        backpressure; then whatever is still queued."""
         deadline = time.monotonic() + 60.0
-        while not self.expected_senders_ended() and time.monotonic() < deadline and not self.stop_event.is_set():
-            if self.source.get(timeout=_POLL_S) is not None:
-                self.source.receiver.counters.dropped["run_ended"] += 1
+        while wait and not self.expected_senders_ended() and time.monotonic() < deadline \
+                and not self.stop_event.is_set():
+            self._discard(self.source.get(timeout=_POLL_S))
+        while self.source.depth() > 0:
+            self._discard(self.source.get(timeout=0.0))
+
+    def _discard(self, item) -> None:
+        if item is None:
+            return
+        self.counters["discarded_after_run"] += 1
+        if self.world_size > 1:
+            self.source.receiver.counters.dropped["run_ended"] += 1
+        if item[2] is not None:
+            item[2]()  # the rollout buffers go back to the pool
+
+    def chunk_accounting(self) -> dict[str, int]:
+        """Where every chunk sent to this learner went. ``sent`` (what the senders report:
+        their end-of-run totals, or heartbeats and sequence numbers for one that died) is
+        the sum of ``received`` (consumed, dropped stale, rejected as invalid, discarded
+        after the run), ``lost_dead_peer`` (sent by a sender that died, never arrived) and
+        ``in_flight_at_exit`` (a live sender's chunks not yet arrived when the run
+        stopped); ``unaccounted`` must be 0. In one process ``sent`` is this rank's count."""
+        c = self.counters
+        acc = {"consumed": c["chunks_consumed"], "dropped_stale": c["dropped_stale"], "rejected_invalid": 0,
+               "discarded_after_run": c["discarded_after_run"], "lost_dead_peer": 0, "in_flight_at_exit": 0}
+        if self.world_size == 1:
+            acc["sent"] = c["chunks_sent"]
+        else:
+            src = self.source
+            acc["rejected_invalid"] = src.invalid
+            reported, dead = src.receiver.reported_sent, set(src.receiver.dead_peers)
+            acc["sent"] = 0
+            for sender in sorted(set(self.expected_senders) | set(src.received) | set(reported)):
+                sent = src.ended.get(sender, reported.get(sender, 0))
+                acc["sent"] += sent
+                missing = sent - src.received[sender]
+                acc["lost_dead_peer" if sender in dead else "in_flight_at_exit"] += missing
+        acc["received"] = sum(acc[k] for k in ("consumed", "dropped_stale", "rejected_invalid", "discarded_after_run"))
+        acc["unaccounted"] = acc["sent"] - acc["received"] - acc["lost_dead_peer"] - acc["in_flight_at_exit"]
+        return acc
 
     def expected_senders_ended(self) -> bool:
         src = self.source
@@ -700,6 +773,7 @@ class Swimlane:
             summary["topology"] = self.topology.to_dict()
             summary["placement"] = self.placement.to_dict()
         if self.is_learner:
+            summary["chunk_accounting"] = self.chunk_accounting()
             steps = int(self.history[-1]["env_steps"]) if self.history else 0
             summary.update(env_steps=steps, env_steps_per_s=steps / wall if wall > 0 else 0.0,
                            final_success_rate=self.history[-1]["success_rate"] if self.history else None)

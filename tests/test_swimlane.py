@@ -54,6 +54,8 @@ def test_async_run_overlaps_lanes_and_writes_outputs(tmp_path):
     assert [r["version"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_max"] <= cfg.swimlane.max_staleness for r in rows)
     assert summary["publishes"] >= 2 and summary["chunks_consumed"] == 6
+    acc = summary["chunk_accounting"]  # every chunk sampled is accounted for
+    assert acc["unaccounted"] == 0 and acc["consumed"] == 6 and acc["sent"] == summary["chunks_sent"]
     assert (out / "weights.safetensors").exists() and (out / "summary.json").exists()
     meta, spans = load_trace(out / "trace.json")
     assert meta["mode"] == "async"
@@ -144,7 +146,7 @@ def test_an_exception_in_a_lane_ends_the_run_with_its_traceback(tmp_path):
 
     def broken_step(actions):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] >= 3:  # fails for good: after max_env_failures resets the run stops
             raise RuntimeError("simulator exploded")
         return real_step(actions)
 
@@ -154,6 +156,24 @@ def test_an_exception_in_a_lane_ends_the_run_with_its_traceback(tmp_path):
         lanes.run()
     assert time.monotonic() - t0 < 30
     assert "broken_step" in str(info.value)  # the lane's traceback is in the message
+    assert "env group 1 failed 3 times in a row" in str(info.value)
+
+
+def test_a_simulator_exception_resets_its_group_and_is_counted(tmp_path):
+    lanes = Swimlane(cfg_for(tmp_path, "run.iterations=6", "swimlane.env_groups=2"))
+    real_step, calls = lanes.envs[1].step, {"n": 0}
+
+    def flaky_step(actions):
+        calls["n"] += 1
+        if calls["n"] in (3, 9):
+            raise RuntimeError("contact solver diverged")
+        return real_step(actions)
+
+    lanes.envs[1].step = flaky_step
+    summary = lanes.run()
+    assert summary["version"] == 6 and summary["env_errors"] == 2
+    _, spans = load_trace(tmp_path / "run" / "trace.json")
+    assert sum(1 for s in spans if s[:2] == ("sampling", "env_error")) == 2
 
 
 def test_gradient_lane_error_is_reported(tmp_path):
@@ -235,6 +255,10 @@ def test_three_process_run_learns_over_real_planes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["version"] == 40 and summary["chunks_consumed"] == 80
+    acc = summary["chunk_accounting"]
+    assert acc["unaccounted"] == 0 and acc["lost_dead_peer"] == 0 and acc["consumed"] == 80
+    sent = sum(json.loads((out / f"summary_rank{r}.json").read_text())["chunks_sent"] for r in (1, 2))
+    assert acc["sent"] == sent == acc["received"] and acc["in_flight_at_exit"] == 0
     rows = read_metrics(out / "metrics.jsonl")
     success = [r["success_rate"] for r in rows]
     first, last = sum(success[:8]) / 8, sum(success[-8:]) / 8
