@@ -141,7 +141,13 @@ class RunConfig:
     progress: bool = True
     """Show a console progress bar."""
     save_every: int = 0
-    """Save weights every N iterations (0: only at the end)."""
+    """Write a checkpoint (weights, optimizer state, RNG states, counters) to
+    ``out_dir/checkpoints`` every N learner updates (0: only at the end)."""
+    keep_checkpoints: int = 3
+    """Newest valid checkpoints kept; older ones are pruned."""
+    resume: bool = False
+    """Continue from the newest valid checkpoint in ``out_dir/checkpoints`` (``--resume``).
+    Ranks restarted by ``torchrun --max-restarts`` resume on their own."""
     torch_threads: int = 0
     """``torch.set_num_threads`` for this process; 0 keeps PyTorch's default."""
 
@@ -151,6 +157,8 @@ class RunConfig:
             errs.append(("iterations", f"must be >= 0, got {self.iterations}"))
         if self.save_every < 0:
             errs.append(("save_every", f"must be >= 0, got {self.save_every}"))
+        if self.keep_checkpoints < 1:
+            errs.append(("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}"))
         if self.torch_threads < 0:
             errs.append(("torch_threads", f"must be >= 0, got {self.torch_threads}"))
         d = self.device

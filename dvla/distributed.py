@@ -29,7 +29,19 @@ def init_from_env(timeout_s: float = 600.0) -> tuple[int, int]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store and keeps it across restarts of the worker
+        # group: give every attempt a key space of its own, or a restarted group reads
+        # the previous attempt's addresses (gloo then fails to connect to dead ranks).
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timeout)
+        store = dist.PrefixStore(f"dvla/attempt{attempt}/", agent)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 

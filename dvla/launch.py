@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default: %(default)s)")
     p.add_argument("--config", help="YAML file applied on top of the preset")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in "
+                   "run.out_dir/checkpoints (same as run.resume=true)")
     return p
 
 
@@ -44,6 +46,8 @@ def parse_config(argv: list[str] | None = None):
     if args.config:
         cfg = load_yaml(cfg, args.config)
     cfg = apply_overrides(cfg, rest)
+    if args.resume:
+        cfg.run.resume = True
     cfg.validate()
     return args, cfg
 
@@ -66,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         if world > 1 and cfg.run.device in ("auto", "cuda") and torch.cuda.is_available():
             cfg.run.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         lanes = Swimlane(cfg, rank=rank, world_size=world)
-        signal.signal(signal.SIGTERM, lambda *_: lanes.request_stop())
+        stopped = []
+
+        def on_sigterm(*_):  # torchrun stops the group this way when a peer has died
+            stopped.append(True)
+            lanes.request_stop()
+
+        signal.signal(signal.SIGTERM, on_sigterm)
         summary = lanes.run()
     except BaseException:
         if world == 1:
@@ -78,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(1)
     if rank == 0:
         print(json.dumps(summary), flush=True)
+    if stopped and world > 1:
+        # Stopped from outside: a peer may be gone, so no teardown barrier.
+        sys.stdout.flush()
+        os._exit(0)
     shutdown()
     return 0
 

@@ -17,7 +17,7 @@ from typing import Any
 
 class MetricsLogger:
     def __init__(self, out_dir: str | os.PathLike, total: int, enabled: bool = True,
-                 progress: bool = True, filename: str = "metrics.jsonl"):
+                 progress: bool = True, filename: str = "metrics.jsonl", initial: int = 0):
         self.enabled = enabled
         self.start = time.perf_counter()
         self.path = Path(out_dir) / filename
@@ -30,7 +30,8 @@ class MetricsLogger:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc="dvla", unit="it", dynamic_ncols=True, file=sys.stderr)
+            self._bar = tqdm(total=total, initial=initial, desc="dvla", unit="it", dynamic_ncols=True,
+                             file=sys.stderr)
 
     def log(self, it: int, metrics: dict[str, Any]) -> dict[str, Any]:
         record = {"iter": it, "time": round(time.perf_counter() - self.start, 4)}

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 
 from dvla.algos import build_algorithm
+from dvla.checkpoint import CheckpointManager, load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from dvla.config import ConfigError, JobConfig, dump_yaml
 from dvla.envs import make_env
 from dvla.metrics import MetricsLogger
@@ -105,6 +106,18 @@ def _cat_obs(obs: list[Observation], lease=None) -> Observation:
 
     return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]),
                        instruction_ids=cat([o.instruction_ids for o in obs]))
+
+
+def _truncate_metrics(path: Path, version: int) -> None:
+    """Drop the rows a crashed attempt logged after the checkpoint it resumes from."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("iter", 0) < version]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
 
 
 def env_steps(batch: RolloutBatch) -> int:
@@ -188,6 +201,18 @@ class Swimlane:
             self.learn_gen = torch.Generator().manual_seed(seed + 2)
         self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 104729 * rank + 1)
 
+        # Checkpoints: learners resume from the newest valid one (``run.resume``, or when
+        # torchrun restarted this worker group); rank 0 writes them.
+        self.version = 0
+        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.resumed_from: int | None = None
+        self._carried: dict[str, Any] = {}
+        self.ckpt = None
+        if self.is_learner:
+            self.ckpt = CheckpointManager(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
+            if cfg.run.resume or self.restarts > 0:
+                self._resume()
+
         self._setup_weights()
         if self.memory is not None:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
@@ -195,7 +220,6 @@ class Swimlane:
         self._setup_data_plane(data_plane or DataPlaneConfig(send_hwm=1, recv_hwm=1))
 
         # Lane state.
-        self.version = 0
         self._requests: queue.Queue[_Request] = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._snap_ready = threading.Event()
@@ -208,6 +232,53 @@ class Swimlane:
                          "env_errors": 0, "discarded_after_run": 0}
         self.history: list[dict[str, Any]] = []
         self._start_time = time.perf_counter()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _generators(self) -> dict[str, torch.Generator]:
+        gens = {"learn": self.learn_gen}
+        if self.rank == 0:
+            gens["sample"] = self.sample_gen
+        return gens
+
+    def _save_checkpoint(self) -> None:
+        """Weights, optimizer state, RNG states, counters and config, written atomically
+        (see :mod:`dvla.checkpoint`); rank 0 only, from the gradient lane."""
+        tensors = {f"policy/{k}": v for k, v in self.policy.state_dict().items()}
+        ref = getattr(self.algo, "reference", None)
+        if ref is not None:
+            tensors.update({f"reference/{k}": v for k, v in ref.state_dict().items()})
+        opt_t, opt_meta = optimizer_state(self.algo.optimizer)
+        rng_t, rng_meta = rng_state(self._generators())
+        manifest = {"version": self.version, "env_steps": self._env_steps, "counters": self.total_counters(),
+                    "restarts": self.restarts, "optimizer": opt_meta, "rng": rng_meta,
+                    "config": self.cfg.to_dict()}
+        with self.tracer.span("gradient", "checkpoint"):
+            self.ckpt.save(self.version, {**tensors, **opt_t, **rng_t}, manifest)
+
+    def total_counters(self) -> dict[str, int]:
+        """This attempt's counters plus those of the attempts before a resume."""
+        carried = self._carried.get("counters", {})
+        return {k: v + carried.get(k, 0) for k, v in self.counters.items()}
+
+    def _resume(self) -> None:
+        ck = self.ckpt.load_latest()
+        if ck is None:
+            if self.restarts == 0:
+                raise ConfigError(f"run.resume: no checkpoint in {self.ckpt.directory}")
+            log.warning("restart %d: no checkpoint yet, starting from the beginning", self.restarts)
+            return
+        m, t = ck.manifest, ck.tensors
+        self.policy.load_state_dict({k[7:]: v for k, v in t.items() if k.startswith("policy/")})
+        ref = getattr(self.algo, "reference", None)
+        if ref is not None:
+            ref.load_state_dict({k[10:]: v for k, v in t.items() if k.startswith("reference/")})
+        load_optimizer_state(self.algo.optimizer, t, m["optimizer"])
+        set_rng_state(t, m["rng"], self._generators())
+        self.version = self.resumed_from = int(m["version"])
+        self._carried = {"counters": m["counters"], "env_steps": int(m["env_steps"])}
+        if self.rank == 0:
+            log.warning("resumed from %s (version %d, restart %d)", ck.path, self.version, self.restarts)
+            _truncate_metrics(self.out_dir / "metrics.jsonl", self.version)
 
     # -- set-up ----------------------------------------------------------------------------
     def _place(self) -> tuple[Topology, Placement]:
@@ -314,6 +385,7 @@ class Swimlane:
         with tr.span("sampling", "wait"):
             if not self.weights.wait_for(0, self.rollout_stop):
                 return
+        base = self.weights.latest_version  # the first published version (> 0 after a resume)
         G = len(self.envs)
         n_rollout = len(self.rollout_ranks)
         ridx = self.rollout_ranks.index(self.rank)
@@ -333,7 +405,7 @@ class Swimlane:
         started = 0
 
         def version_needed() -> int:
-            return int(started / per_version) - self.sl.max_staleness
+            return base + int(started / per_version) - self.sl.max_staleness
 
         leases = [None] * G
 
@@ -443,7 +515,7 @@ class Swimlane:
                     parked.append(item[0])
                     start_admitted()
         else:
-            round_ = 0
+            round_ = base
             while not self._rollout_stopping():
                 with tr.span("sampling", "wait"):  # barrier: the weights learned from the last round
                     if not self.weights.wait_for(round_, self.rollout_stop):
@@ -510,8 +582,10 @@ class Swimlane:
         tr = self.tracer
         need = self._chunks_per_update()
         lead = self.rank == 0
-        logger = MetricsLogger(self.out_dir, self.iterations, enabled=lead, progress=self.cfg.run.progress)
+        logger = MetricsLogger(self.out_dir, self.iterations, enabled=lead, progress=self.cfg.run.progress,
+                               initial=self.version)
         steps_total = 0
+        self._env_steps = self._carried.get("env_steps", 0)
         try:
             while self.version < self.iterations and not self.stop_event.is_set():
                 chunks: list[RolloutBatch] = []
@@ -547,17 +621,22 @@ class Swimlane:
                 learn_s = time.perf_counter() - t0
                 self.version += 1
                 stats, steps_global = self._global_stats(batch, steps_total)
+                self._env_steps = steps_global
                 del batch, chunks
                 for release in releases:  # the rollout buffers go back to the transient pool
                     if release is not None:
                         release()
                 wall = time.perf_counter() - self._start_time
+                totals = self.total_counters()
                 m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
-                     "env_steps_per_s": steps_global / wall, "learn_s": learn_s,
-                     "dropped_stale": self.counters["dropped_stale"], "queue_depth": self.source.depth(),
-                     "chunks_consumed": self.counters["chunks_consumed"], "env_errors": self.counters["env_errors"],
+                     "env_steps_per_s": (steps_global - self._carried.get("env_steps", 0)) / wall, "learn_s": learn_s,
+                     "dropped_stale": totals["dropped_stale"], "queue_depth": self.source.depth(),
+                     "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
                      **stats, **learn, **self._memory_metrics()}
                 self.history.append(logger.log(self.version - 1, m))
+                every = self.cfg.run.save_every
+                if lead and ((every and self.version % every == 0) or self.version == self.iterations):
+                    self._save_checkpoint()
                 if lead and (self.version % self.sl.broadcast_every == 0 or self.version == self.iterations):
                     self._handoff(wait=self.sl.mode == "sync" or self.version == self.iterations)
         finally:
@@ -581,7 +660,7 @@ class Swimlane:
         stats = {**episode_stats(batch), "env_steps": float(steps_total)}
         if self.sl.learner_ranks > 1:
             stats = mean_over_group(stats, self.learner_group)
-        return stats, round(stats.pop("env_steps") * self.sl.learner_ranks)
+        return stats, self._carried.get("env_steps", 0) + round(stats.pop("env_steps") * self.sl.learner_ranks)
 
     def _handoff(self, wait: bool) -> None:
         """Give the broadcast lane a snapshot of the current weights (one copy), unless it
@@ -617,7 +696,7 @@ class Swimlane:
     def _broadcast_lane(self) -> None:
         """Rank 0: publish version 0 (the initial weights), then every snapshot handed over."""
         self._take_snapshot()
-        self._publish(0)
+        self._publish(self.version)  # 0, or the version a resumed run starts from
         while not self.stop_event.is_set():
             if not self._snap_ready.wait(_POLL_S):
                 if self.learner_done.is_set() and not self._snap_ready.is_set():
@@ -686,6 +765,10 @@ class Swimlane:
                 self._drain(wait=not drained and self.world_size > 1)
             self._close()
         if self.errors:
+            try:  # best effort: the counters of a failed attempt are worth keeping
+                self._finish(error=str(self.errors[0]).splitlines()[0])
+            except Exception:
+                log.exception("could not write the summary of the failed run")
             raise self.errors[0]
         return self._finish()
 
@@ -748,7 +831,7 @@ class Swimlane:
         if self.source is not None and self.world_size > 1:
             self.source.close()
 
-    def _finish(self) -> dict[str, Any]:
+    def _finish(self, error: str | None = None) -> dict[str, Any]:
         wall = time.perf_counter() - self._start_time
         util = utilization(self.tracer.spans)
         summary: dict[str, Any] = {
@@ -756,6 +839,8 @@ class Swimlane:
             "wall_s": wall, **self.counters,
             "weight_swaps": self.weights.swaps,
             "lane_utilization": {k: round(v["utilization"], 4) for k, v in util.items()},
+            "stopped_early": self.version < self.iterations, "error": error,
+            "restarts": self.restarts, "resumed_from": self.resumed_from, "totals": self.total_counters(),
             "host": self.topology.hosts[self.topology.host_of(self.rank)].name,
             "role": self.placement.role(self.rank),
         }
@@ -775,7 +860,8 @@ class Swimlane:
         if self.is_learner:
             summary["chunk_accounting"] = self.chunk_accounting()
             steps = int(self.history[-1]["env_steps"]) if self.history else 0
-            summary.update(env_steps=steps, env_steps_per_s=steps / wall if wall > 0 else 0.0,
+            this_attempt = steps - self._carried.get("env_steps", 0)
+            summary.update(env_steps=steps, env_steps_per_s=this_attempt / wall if wall > 0 else 0.0,
                            final_success_rate=self.history[-1]["success_rate"] if self.history else None)
         if self.sl.trace:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -784,6 +870,9 @@ class Swimlane:
         if self.rank == 0:
             save_weights(self.policy, self.out_dir / "weights.safetensors", self.version)
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            attempts = self.out_dir / "attempts"  # one summary per torchrun attempt
+            attempts.mkdir(exist_ok=True)
+            (attempts / f"attempt{self.restarts}.json").write_text(json.dumps(summary, indent=2))
         elif self.world_size > 1:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / f"summary_rank{self.rank}.json").write_text(json.dumps(summary, indent=2))
