@@ -148,6 +148,9 @@ class RunConfig:
     resume: bool = False
     """Continue from the newest valid checkpoint in ``out_dir/checkpoints`` (``--resume``).
     Ranks restarted by ``torchrun --max-restarts`` resume on their own."""
+    time_limit_s: float = 0.0
+    """Stop after this many seconds of training, as if the last iteration had been
+    reached (final checkpoint, summary); 0: no limit."""
     torch_threads: int = 0
     """``torch.set_num_threads`` for this process; 0 keeps PyTorch's default."""
 
@@ -159,6 +162,8 @@ class RunConfig:
             errs.append(("save_every", f"must be >= 0, got {self.save_every}"))
         if self.keep_checkpoints < 1:
             errs.append(("keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}"))
+        if self.time_limit_s < 0:
+            errs.append(("time_limit_s", f"must be >= 0, got {self.time_limit_s}"))
         if self.torch_threads < 0:
             errs.append(("torch_threads", f"must be >= 0, got {self.torch_threads}"))
         d = self.device

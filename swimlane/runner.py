@@ -206,6 +206,7 @@ class Swimlane:
         self.version = 0
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self.resumed_from: int | None = None
+        self.time_up = False  # run.time_limit_s reached
         self._carried: dict[str, Any] = {}
         self.ckpt = None
         if self.is_learner:
@@ -634,11 +635,14 @@ class Swimlane:
                      "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
                      **stats, **learn, **self._memory_metrics()}
                 self.history.append(logger.log(self.version - 1, m))
+                last = self.version == self.iterations or self.time_up
                 every = self.cfg.run.save_every
-                if lead and ((every and self.version % every == 0) or self.version == self.iterations):
+                if lead and ((every and self.version % every == 0) or last):
                     self._save_checkpoint()
-                if lead and (self.version % self.sl.broadcast_every == 0 or self.version == self.iterations):
-                    self._handoff(wait=self.sl.mode == "sync" or self.version == self.iterations)
+                if lead and (self.version % self.sl.broadcast_every == 0 or last):
+                    self._handoff(wait=self.sl.mode == "sync" or last)
+                if last:
+                    break
         finally:
             logger.close()
             self.learner_done.set()
@@ -657,9 +661,12 @@ class Swimlane:
 
     def _global_stats(self, batch: RolloutBatch, steps_total: int) -> tuple[dict[str, float], int]:
         """Episode stats averaged and consumed env steps summed over the learner ranks."""
-        stats = {**episode_stats(batch), "env_steps": float(steps_total)}
-        if self.sl.learner_ranks > 1:
+        limit = self.cfg.run.time_limit_s
+        time_up = float(bool(limit) and time.perf_counter() - self._start_time >= limit)
+        stats = {**episode_stats(batch), "env_steps": float(steps_total), "time_up": time_up}
+        if self.sl.learner_ranks > 1:  # learners agree on when the time is up
             stats = mean_over_group(stats, self.learner_group)
+        self.time_up = stats.pop("time_up") > 0
         return stats, self._carried.get("env_steps", 0) + round(stats.pop("env_steps") * self.sl.learner_ranks)
 
     def _handoff(self, wait: bool) -> None:
@@ -839,7 +846,7 @@ class Swimlane:
             "wall_s": wall, **self.counters,
             "weight_swaps": self.weights.swaps,
             "lane_utilization": {k: round(v["utilization"], 4) for k, v in util.items()},
-            "stopped_early": self.version < self.iterations, "error": error,
+            "stopped_early": self.version < self.iterations, "time_limit_reached": self.time_up, "error": error,
             "restarts": self.restarts, "resumed_from": self.resumed_from, "totals": self.total_counters(),
             "host": self.topology.hosts[self.topology.host_of(self.rank)].name,
             "role": self.placement.role(self.rank),
