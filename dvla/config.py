@@ -224,6 +224,45 @@ class SwimlaneConfig:
 
 
 @dataclass(kw_only=True)
+class DataPlaneConfig:
+    """The ZeroMQ data plane (:mod:`planes.data`) that carries trajectory chunks between
+    processes. The swimlane sets ``transport`` per route from the placement and
+    ``recv_queue`` from ``swimlane.queue_size``."""
+
+    transport: Literal["auto", "ipc", "tcp"] = "auto"
+    """``auto`` (ipc on the same host, tcp across hosts), ``ipc`` or ``tcp``."""
+    bind_host: str = "127.0.0.1"
+    """Interface the receiver's tcp endpoint binds to; loopback unless configured."""
+    send_hwm: int = 8
+    """Messages a sender may have queued before ``send`` blocks."""
+    recv_hwm: int = 8
+    """Messages ZeroMQ may buffer at the receiver."""
+    recv_queue: int = 8
+    """Decoded messages waiting for the consumer; when full the receiver stops reading."""
+    max_message_bytes: int = 1 << 30  # planes.serial.DEFAULT_MAX_BYTES
+    """Largest accepted message; bigger ones are rejected unread."""
+    send_timeout_s: float = 60.0
+    """Longest a send may block on backpressure before it fails."""
+    heartbeat_s: float = 0.5
+    """Interval of sender heartbeats (on their own socket)."""
+    peer_timeout_s: float = 5.0
+    """A sender unheard for this long is declared dead."""
+    curve: bool = False
+    """Encrypt with CurveZMQ (the receiver's public key travels through the store)."""
+    curve_authorized_dir: str | None = None
+    """With ``curve``: only clients whose public keys (``*.key``) are in this directory may
+    connect."""
+
+    def _validate(self) -> list[tuple[str, str]]:
+        errs = [(n, f"must be >= 1, got {getattr(self, n)}")
+                for n in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes") if getattr(self, n) < 1]
+        if not 0 < self.heartbeat_s < self.peer_timeout_s:
+            errs.append(("heartbeat_s", f"must be > 0 and below peer_timeout_s ({self.peer_timeout_s}), "
+                                        f"got {self.heartbeat_s}"))
+        return errs
+
+
+@dataclass(kw_only=True)
 class MemoryConfig:
     """The dual-pool memory manager (:mod:`memory`). Budgets are bytes (``1073741824``),
     sizes with units (``512MiB``, ``2GB``), a fraction of the device's memory (``0.25``)
@@ -259,6 +298,8 @@ class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     swimlane: SwimlaneConfig = field(default_factory=SwimlaneConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    data_plane: DataPlaneConfig = field(default_factory=lambda: DataPlaneConfig(send_hwm=1, recv_hwm=1))
+    """Few chunks in flight by default: every buffered chunk is one that ages while it waits."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []

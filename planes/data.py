@@ -47,9 +47,8 @@ import msgpack
 import zmq
 from torch import Tensor
 
-from dvla.config import validate
+from dvla.config import DataPlaneConfig, validate  # noqa: F401  (DataPlaneConfig is public here)
 from planes.serial import (
-    DEFAULT_MAX_BYTES,
     MessageError,
     as_tensor,
     check_frame,
@@ -64,34 +63,6 @@ _ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracki
 _ALIGN = 64  # small tensors share one receive buffer, each starting on this boundary
 _DISCARD = bytearray()  # recv_into an empty buffer drops a frame
 _SNDMORE = int(zmq.SNDMORE)  # a plain int: combining flag enums per frame costs more than the send
-
-
-@dataclass(kw_only=True)
-class DataPlaneConfig:
-    transport: Literal["auto", "ipc", "tcp"] = "auto"
-    """``auto`` (ipc on the same host, tcp across hosts), ``ipc`` or ``tcp``."""
-    bind_host: str = "127.0.0.1"
-    """Interface the receiver's tcp endpoint binds to; loopback unless configured."""
-    send_hwm: int = 8
-    """Messages a sender may have queued before ``send`` blocks."""
-    recv_hwm: int = 8
-    """Messages ZeroMQ may buffer at the receiver."""
-    recv_queue: int = 8
-    """Decoded messages waiting for the consumer; when full the receiver stops reading."""
-    max_message_bytes: int = DEFAULT_MAX_BYTES
-    send_timeout_s: float = 60.0
-    heartbeat_s: float = 0.5
-    peer_timeout_s: float = 5.0
-    curve: bool = False
-    curve_authorized_dir: str | None = None
-
-    def _validate(self) -> list[tuple[str, str]]:
-        errs = [(n, f"must be >= 1, got {getattr(self, n)}")
-                for n in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes") if getattr(self, n) < 1]
-        if not 0 < self.heartbeat_s < self.peer_timeout_s:
-            errs.append(("heartbeat_s", f"must be > 0 and below peer_timeout_s ({self.peer_timeout_s}), "
-                                        f"got {self.heartbeat_s}"))
-        return errs
 
 
 @dataclass

@@ -217,8 +217,7 @@ class Swimlane:
         self._setup_weights()
         if self.memory is not None:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
-        # Few chunks in flight: every buffered chunk is one that ages while it waits.
-        self._setup_data_plane(data_plane or DataPlaneConfig(send_hwm=1, recv_hwm=1))
+        self._setup_data_plane(data_plane or cfg.data_plane)
 
         # Lane state.
         self._requests: queue.Queue[_Request] = queue.Queue()

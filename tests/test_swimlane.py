@@ -277,6 +277,7 @@ def test_two_learner_ranks_average_gradients_and_finish(tmp_path):
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            "-m", "dvla.launch", "--preset", "debug", "run.iterations=8", "swimlane.learner_ranks=2",
+           "data_plane.curve=true",  # chunks encrypted with CurveZMQ
            "run.torch_threads=1", f"run.out_dir={out}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
