@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import msgpack
+import torch
 import zmq
 from torch import Tensor
 
@@ -206,7 +207,9 @@ class TrajectoryReceiver:
                 offsets.append(small)
                 if spec.nbytes < _ZERO_COPY_MIN:
                     small += -(-spec.nbytes // _ALIGN) * _ALIGN
-            shared = bytearray(small)
+            # Not zero-filled: its pages cost nothing until a frame is received into them, so
+            # an envelope that declares bytes it never sends costs no memory or time for them.
+            shared = torch.empty(small, dtype=torch.uint8).numpy()
             view = memoryview(shared)
             tensors: dict[str, Tensor] = {}
             for i, (spec, off) in enumerate(zip(specs, offsets)):

@@ -14,12 +14,14 @@ buffers with ``torch.frombuffer``, again without a copy.
 Nothing here ever unpickles. Decoding is strict: the protocol version, the number of
 frames, every dtype (from an allow-list), shape and byte count, the message size and
 the msgpack types are all checked, and any violation raises :class:`MessageError` with
-a reason that names the problem. msgpack extension types are refused.
+a reason that names the problem. msgpack extension types are refused, timestamps (type
+-1) included; error messages quote received values through a bounded ``reprlib`` repr.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 import warnings
 from typing import Any, NamedTuple
 
@@ -48,6 +50,10 @@ _ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in DTYPES.values()
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 _MAX_ENVELOPE = 1 << 20  # 1 MiB of metadata is plenty
 _MAX_DIMS = 8
+# Error messages quote what was received through a bounded repr: a plain repr of a hostile
+# envelope could be megabytes long, or nested deeper than the recursion limit allows.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother, _QUOTE.maxlong = 3, 40, 40, 40
 
 
 class TensorSpec(NamedTuple):
@@ -126,16 +132,17 @@ def decode_envelope(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str,
     except Exception as exc:  # msgpack raises several exception types on garbage
         raise MessageError("bad_envelope", f"not a msgpack envelope ({type(exc).__name__}: {exc})") from None
     if not isinstance(env, dict) or set(env) != {"v", "kind", "meta", "tensors"}:
-        keys = sorted(env) if isinstance(env, dict) else type(env).__name__
+        keys = _quote(list(env)) if isinstance(env, dict) else type(env).__name__  # str and bytes keys: unsortable
         raise MessageError("bad_envelope", f"envelope must have keys v, kind, meta, tensors; got {keys}")
-    if env["v"] != PROTOCOL_VERSION:
-        raise MessageError("bad_version", f"protocol version {env['v']!r}, expected {PROTOCOL_VERSION}")
+    if type(env["v"]) is not int or env["v"] != PROTOCOL_VERSION:  # not True, not 1.0
+        raise MessageError("bad_version", f"protocol version {_quote(env['v'])}, expected {PROTOCOL_VERSION}")
     kind, meta, raw_specs = env["kind"], env["meta"], env["tensors"]
     if not isinstance(kind, str) or not isinstance(meta, dict) or not isinstance(raw_specs, list):
         raise MessageError("bad_envelope", "kind must be a string, meta a map and tensors a list")
+    _reject_timestamps(meta)
     specs = [_check_spec(s) for s in raw_specs]
     if len({s.name for s in specs}) != len(specs):
-        raise MessageError("bad_tensor", f"duplicate tensor name in {[s.name for s in specs]!r:.80}")
+        raise MessageError("bad_tensor", f"duplicate tensor name in {_quote([s.name for s in specs])}")
     if sum(s.nbytes for s in specs) > max_bytes:
         raise MessageError("oversized", f"message exceeds {max_bytes} bytes")
     return kind, meta, specs
@@ -144,8 +151,8 @@ def decode_envelope(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str,
 def check_frame(spec: TensorSpec, size: int) -> None:
     """A data frame of ``size`` bytes must hold exactly the tensor its spec declares."""
     if size != spec.nbytes:
-        raise MessageError("bad_tensor", f"tensor {spec.name!r}: {spec.dtype} {spec.shape} needs {spec.nbytes} "
-                                         f"bytes, frame has {size}")
+        raise MessageError("bad_tensor", f"tensor {_quote(spec.name, 40)}: {spec.dtype} {spec.shape} needs "
+                                         f"{spec.nbytes} bytes, frame has {size}")
 
 
 def as_tensor(buf: Any, spec: TensorSpec, offset: int = 0) -> Tensor:
@@ -161,21 +168,46 @@ def _buffer(frame: Any) -> Any:
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
+def _quote(value: Any, limit: int = 80) -> str:
+    return _QUOTE.repr(value)[:limit]
+
+
+def _reject_timestamps(meta: dict) -> None:
+    """msgpack decodes extension type -1 (timestamps) itself, without calling ``ext_hook``;
+    meta is the only field where one can hide (the others are type-checked), so look there.
+    Iterative: meta may be nested as deep as msgpack allows."""
+    stack: list[Any] = [meta]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, msgpack.Timestamp):
+            raise MessageError("bad_envelope", "msgpack extension type -1 (timestamp) is not allowed")
+
+
 def _check_spec(spec: Any) -> TensorSpec:
     if not (isinstance(spec, list) and len(spec) == 4):
-        raise MessageError("bad_tensor", f"tensor spec must be [name, dtype, shape, nbytes], got {spec!r:.80}")
+        raise MessageError("bad_tensor", f"tensor spec must be [name, dtype, shape, nbytes], got {_quote(spec)}")
     name, dtype, shape, nbytes = spec
     if not isinstance(name, str) or not name:
-        raise MessageError("bad_tensor", f"tensor name must be a non-empty string, got {name!r:.40}")
+        raise MessageError("bad_tensor", f"tensor name must be a non-empty string, got {_quote(name, 40)}")
     if not isinstance(dtype, str) or dtype not in DTYPES:  # a list here is unhashable
-        raise MessageError("bad_tensor", f"tensor {name!r}: dtype {dtype!r:.40} not in {sorted(DTYPES)}")
+        raise MessageError("bad_tensor", f"tensor {_quote(name, 40)}: dtype {_quote(dtype, 40)} "
+                                         f"not in {sorted(DTYPES)}")
     if (type(shape) is not list or len(shape) > _MAX_DIMS  # type() is: bool is not a size
             or not all(type(d) is int and 0 <= d < 2**40 for d in shape)):
-        raise MessageError("bad_tensor", f"tensor {name!r}: bad shape {shape!r:.80}")
+        raise MessageError("bad_tensor", f"tensor {_quote(name, 40)}: bad shape {_quote(shape)}")
     if type(nbytes) is not int or nbytes < 0:
-        raise MessageError("bad_tensor", f"tensor {name!r}: bad byte count {nbytes!r:.40}")
-    expect = math.prod(shape) * _ITEMSIZE[DTYPES[dtype]]
+        raise MessageError("bad_tensor", f"tensor {_quote(name, 40)}: bad byte count {_quote(nbytes, 40)}")
+    itemsize = _ITEMSIZE[DTYPES[dtype]]
+    expect = math.prod(shape) * itemsize
     if nbytes != expect:
-        raise MessageError("bad_tensor", f"tensor {name!r}: shape {shape} {dtype} needs {expect} bytes, "
-                                         f"declared {nbytes}")
+        raise MessageError("bad_tensor", f"tensor {_quote(name, 40)}: shape {shape} {dtype} needs "
+                                         f"{_quote(expect, 40)} bytes, declared {_quote(nbytes, 40)}")
+    # An empty tensor still gets strides (products of the other dims, in bytes); torch
+    # refuses to build one whose strides overflow int64, so neither do we accept it.
+    if expect == 0 and math.prod(max(d, 1) for d in shape) * itemsize >= 2**63:
+        raise MessageError("bad_tensor", f"tensor {_quote(name, 40)}: empty, but shape {shape} is too large")
     return TensorSpec(name, DTYPES[dtype], shape, nbytes)
