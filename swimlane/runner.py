@@ -596,6 +596,7 @@ class Swimlane:
                     with tr.span("gradient", "wait"):
                         item = self.source.get(timeout=_POLL_S)
                     if item is None:
+                        self._check_senders()
                         continue
                     batch, _meta, on_done = item
                     steps = env_steps(batch)
@@ -645,6 +646,22 @@ class Swimlane:
         finally:
             logger.close()
             self.learner_done.set()
+
+    def _check_senders(self) -> None:
+        """A rollout rank whose heartbeats stopped (crashed, killed, frozen) cannot take
+        part in the next weight broadcast, so the run cannot go on without it: stop with
+        a report naming it (torchrun then restarts the group, which resumes from the
+        last checkpoint) instead of hanging in a collective."""
+        if self.world_size == 1:
+            return
+        dead = [s for s in self.source.receiver.dead_peers if s in self.expected_senders
+                and s not in self.source.ended]
+        if dead:
+            raise RuntimeError(
+                f"rollout rank(s) {', '.join(dead)} stopped sending heartbeats for "
+                f"{self.cfg.data_plane.peer_timeout_s}s (data_plane.peer_timeout_s): crashed or hung. "
+                f"Weights cannot be broadcast without them; stopping this attempt "
+                f"(chunk accounting: {self.chunk_accounting()})")
 
     def _activations(self):
         """On CUDA, the learner's activations go to the transient pool's segments."""

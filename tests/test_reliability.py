@@ -145,3 +145,44 @@ def test_killed_learner_restarts_and_resumes_from_its_checkpoint(tmp_path):
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["iter"] for r in rows] == list(range(12))
     assert not (out / "attempts" / "attempt0.json").exists()  # SIGKILL: no summary, the checkpoint is what survives
+
+
+def test_a_hung_rollout_rank_is_detected_and_the_run_stops_with_a_report(tmp_path):
+    """SIGSTOP freezes rollout rank 2 (no crash, no exit code for torchrun to see). The
+    learner notices its heartbeats stopped and ends the attempt naming it, instead of
+    hanging in the next weight broadcast; with no restarts left the run fails loudly."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           "--monitor-interval=0.5", "-m", "dvla.launch", "--preset", "fast_reach", "run.iterations=100000",
+           "env.image_size=16", "env.n_envs=32", "swimlane.colocate=false", "swimlane.env_groups=1",
+           "data_plane.peer_timeout_s=3", "run.progress=false", "run.torch_threads=1", f"run.out_dir={out}"]
+    log_path = tmp_path / "torchrun.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    frozen = None
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+            metrics = out / "metrics.jsonl"
+            if frozen is None and metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                frozen = _pid_of_rank(proc.pid, 2)
+                os.kill(frozen, signal.SIGSTOP)
+                t_frozen = time.monotonic()
+            if frozen is not None and "stopped sending heartbeats" in log_path.read_text():
+                detected = time.monotonic() - t_frozen
+                os.kill(frozen, signal.SIGKILL)  # torchrun would wait its grace period for it
+                break
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    text = log_path.read_text()
+    assert frozen is not None and rc != 0, text[-4000:]
+    assert "rollout rank(s) rank2 stopped sending heartbeats for 3s" in text
+    assert detected < 20, detected
+    summary = json.loads((out / "attempts" / "attempt0.json").read_text())
+    assert "rank2 stopped sending heartbeats" in summary["error"]
+    assert summary["chunk_accounting"]["unaccounted"] == 0
