@@ -71,23 +71,20 @@ class Checkpoint:
 # -- low-level file helpers -----------------------------------------------------------------
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_dir(path: Path) -> None:
     """Make a directory's entries (creations, renames) durable. No-op where unsupported."""
-    if os.name != "posix":  # pragma: no cover - directories cannot be opened on Windows
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    if os.name == "posix":  # directories cannot be opened on Windows
+        _fsync(path)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -119,7 +116,7 @@ def _cpu_tensors(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def _write_safetensors(state: dict[str, Tensor], path: Path, metadata: dict[str, str] | None) -> None:
     save_file(_cpu_tensors(state), str(path), metadata=metadata)
-    _fsync_file(path)
+    _fsync(path)
 
 
 def save_safetensors(state: dict[str, Tensor], path: str | Path, metadata: dict[str, str]) -> None:
