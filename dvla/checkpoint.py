@@ -85,8 +85,6 @@ def _fsync_dir(path: Path) -> None:
         _fsync(path)
 
 
-
-
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
