@@ -408,7 +408,6 @@ class Swimlane:
             return base + int(started / per_version) - self.sl.max_staleness
 
         leases = [None] * G
-
         failures = [0] * G  # consecutive simulator failures per group
 
         def recover(g: int, exc: Exception) -> None:
@@ -427,17 +426,16 @@ class Swimlane:
             log.error("env group %d failed (%d in a row), resetting it: %r", g, failures[g], exc)
 
         def start(g: int) -> None:
-            while True:
-                try:
-                    return _start(g)
-                except Exception as exc:  # reset failed: count it, maybe give up, try again
-                    recover(g, exc)
-
-        def _start(g: int) -> None:
             nonlocal started
             started += 1
             with tr.span("sampling", "reset"):
-                obs = self.policy.prepare(self.envs[g].reset(self.group_size))
+                while True:
+                    try:
+                        raw = self.envs[g].reset(self.group_size)
+                        break
+                    except Exception as exc:  # the reset failed: count it, maybe give up, try again
+                        recover(g, exc)
+                obs = self.policy.prepare(raw)
                 alloc = None
                 if self.memory is not None:  # rollout buffers from the transient pool
                     leases[g] = self.host_pool.lease()
