@@ -715,7 +715,8 @@ class Swimlane:
         self.counters["publishes"] += 1
 
     def _broadcast_lane(self) -> None:
-        """Rank 0: publish version 0 (the initial weights), then every snapshot handed over."""
+        """Rank 0: publish the starting weights (version 0, or the resumed version), then every
+        snapshot handed over."""
         self._take_snapshot()
         self._publish(self.version)  # 0, or the version a resumed run starts from
         while not self.stop_event.is_set():
