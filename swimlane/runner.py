@@ -631,6 +631,8 @@ class Swimlane:
                      "env_steps_per_s": (steps_global - self._carried.get("env_steps", 0)) / wall, "learn_s": learn_s,
                      "dropped_stale": totals["dropped_stale"], "queue_depth": self.source.depth(),
                      "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
+                     **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
+                        if k in ("sent", "rejected_invalid", "lost_dead_peer")},
                      **stats, **learn, **self._memory_metrics()}
                 self.history.append(logger.log(self.version - 1, m))
                 last = self.version == self.iterations or self.time_up

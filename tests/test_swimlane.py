@@ -264,6 +264,7 @@ def test_three_process_run_learns_over_real_planes(tmp_path):
     first, last = sum(success[:8]) / 8, sum(success[-8:]) / 8
     assert last > first + 0.25, (first, last)
     assert all(r["staleness_max"] <= 1 for r in rows)
+    assert rows[-1]["chunks_sent"] >= 80 and rows[-1]["chunks_lost_dead_peer"] == 0  # accounting per update
     for rank in (1, 2):  # both rollout ranks sent chunks and received weights
         _, spans = load_trace(out / f"trace_rank{rank}.json")
         kinds = {(s[0], s[1]) for s in spans}
