@@ -3,6 +3,7 @@
     dvla train [--preset NAME] [KEY=VALUE ...]   train (same as python -m dvla.launch)
     dvla trace RUN_DIR [--out PNG] [--last S]    lane utilisation and a swimlane Gantt chart
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
+    dvla config-ref [--write README.md]          the configuration reference, from the code
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def trace_main(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": "train a policy (python -m dvla.launch)", "trace": "lane utilisation and Gantt chart",
-            "plan": "placement and modelled broadcast cost for a cluster"}
+            "plan": "placement and modelled broadcast cost for a cluster",
+            "config-ref": "configuration reference generated from the config dataclasses"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         from dvla.launch import main as train
 
         return train(rest)
+    if cmd == "config-ref":
+        from dvla.config_doc import main as config_ref
+
+        return config_ref(rest)
     if cmd == "plan":
         from launch.planner import main as plan
 

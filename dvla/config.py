@@ -35,6 +35,7 @@ class EnvConfig:
     """Batched environment. ``name`` picks a registered env (see ``dvla.envs.ENV_REGISTRY``)."""
 
     name: str = "fast_reach"
+    """A registered env: ``fast_reach``, ``genesis_reach``, ``genesis_lift``, ``gym``."""
     n_envs: int = 16
     """Parallel environments stepped as one batch (for GRPO: ``n_groups * group_size``)."""
     episode_len: int = 32
@@ -46,8 +47,12 @@ class EnvConfig:
     reward_shaping: float = 0.0
     """Weight of the dense shaping term (progress towards the goal); 0 gives the sparse reward."""
     success_reward: float = 1.0
+    """Reward on the step that reaches the goal."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Backend-specific options, validated by the env itself (e.g. ``gym_id`` for ``gym``)."""
+    """Backend-specific options, validated by the env itself. fast_reach: ``n_targets,
+    max_delta, radius, privileged, render_cost_ms``; genesis: ``max_delta,
+    substeps_per_action, dt, privileged``; gym: ``gym_id, instruction, image_key,
+    make_kwargs``."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -68,9 +73,12 @@ class PolicyConfig:
     ``options`` are checked against that policy's own ``Config`` dataclass."""
 
     name: str = "tiny_vla"
+    """A registered :class:`dvla.policy.VLAPolicy` (see ``POLICY_REGISTRY``)."""
     action_chunk: int = 1
     """Actions predicted per decision (action chunking); the env executes them in order."""
     options: dict[str, Any] = field(default_factory=dict)
+    """The policy's own ``Config`` (tiny_vla: ``hidden_dim, vision_channels, embed_dim,
+    vocab_size, max_tokens, head, n_bins, init_log_std, value_head``)."""
 
     def _validate(self) -> list[tuple[str, str]]:
         if self.action_chunk < 1:
@@ -83,20 +91,31 @@ class AlgoConfig:
     """Policy-gradient algorithm and its hyper-parameters."""
 
     name: Literal["grpo", "ppo"] = "grpo"
+    """``grpo`` (group-relative, critic-free) or ``ppo`` (GAE with a value head)."""
     lr: float = 3e-4
+    """Adam learning rate."""
     group_size: int = 8
     """GRPO: rollouts per group that start from an identical initial state."""
     update_epochs: int = 2
+    """Passes over each batch."""
     minibatches: int = 4
+    """Minibatches per pass."""
     clip_eps: float = 0.2
+    """Clip range of the PPO surrogate."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
     kl_coef: float = 0.0
     """GRPO: weight of the KL penalty to the initial (reference) policy; 0 disables it."""
     value_coef: float = 0.5
+    """PPO: weight of the value loss."""
     gamma: float = 0.99
+    """PPO: discount."""
     gae_lambda: float = 0.95
+    """PPO: GAE lambda."""
     max_grad_norm: float = 1.0
+    """Gradient clipping (global norm)."""
     adv_eps: float = 1e-6
+    """Added to the standard deviation when advantages are normalised."""
     max_is_weight: float = 2.0
     """Off-policy correction: cap of the importance weight pi_proximal / pi_behaviour
     applied to steps sampled with older weights (decoupled PPO objective)."""
@@ -134,6 +153,7 @@ class RunConfig:
     iterations: int = 50
     """Learner updates (in the synchronous trainer: rollout -> learn -> publish cycles)."""
     seed: int = 0
+    """Seed of weights, envs and sampling."""
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
     out_dir: str = "runs/dvla"
@@ -184,7 +204,8 @@ class SwimlaneConfig:
     """Env groups per rollout rank, each a batched env of ``env.n_envs``; in async mode one
     group steps while the others wait for actions."""
     learner_ranks: int = 1
-    """Ranks ``0..learner_ranks-1`` learn (gradients averaged between them)."""
+    """Learner ranks (gradients averaged between them): rank 0, then ranks on its host,
+    then on as few other hosts as possible (:func:`launch.placement.place`)."""
     colocate: bool = True
     """Learner ranks also run rollout lanes. With false they only learn and publish."""
     max_staleness: int = 1
@@ -238,7 +259,8 @@ class DataPlaneConfig:
     recv_hwm: int = 8
     """Messages ZeroMQ may buffer at the receiver."""
     recv_queue: int = 8
-    """Decoded messages waiting for the consumer; when full the receiver stops reading."""
+    """Decoded messages waiting for the consumer; when full the receiver stops reading.
+    The swimlane sets it from ``swimlane.queue_size``."""
     max_message_bytes: int = 1 << 30  # planes.serial.DEFAULT_MAX_BYTES
     """Largest accepted message; bigger ones are rejected unread."""
     send_timeout_s: float = 60.0
@@ -272,9 +294,11 @@ class MemoryConfig:
     """Weights, optimizer state and weight buffers in the persistent pool; rollout buffers
     and observation batches in the transient pool. False: plain allocation."""
     persistent_budget: int | float | str = 0
-    """Budget of the persistent pool (allocated once at start-up, then sealed)."""
+    """Budget of the persistent pool (allocated once at start-up, then sealed): bytes,
+    ``512MiB``-style sizes, a fraction of device memory (``0.25``), or 0 for none."""
     transient_budget: int | float | str = 0
-    """Budget of the transient pool (size-classed blocks reused step after step)."""
+    """Budget of the transient pool (size-classed blocks reused step after step); same
+    forms as ``persistent_budget``."""
 
     def _validate(self) -> list[tuple[str, str]]:
         from memory import parse_budget  # the memory package imports this module
