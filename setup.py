@@ -25,7 +25,8 @@ setup(
         "matplotlib>=3.7",  # swimlane Gantt charts
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "tensorboard>=2.14"],
+        "tb": ["tensorboard>=2.14"],  # TensorBoard event files next to metrics.jsonl
     },
     entry_points={"console_scripts": ["dvla=dvla.cli:main", "dvla-train=dvla.launch:main"]},
 )

@@ -4,6 +4,7 @@
     dvla trace RUN_DIR [--out PNG] [--last S]    lane utilisation and a swimlane Gantt chart
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
     dvla config-ref [--write README.md]          the configuration reference, from the code
+    dvla bench [NAME [ARGS ...]]                 list the benchmarks, or run bench/NAME.py
 """
 
 from __future__ import annotations
@@ -11,6 +12,35 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+
+
+def bench_main(argv: list[str]) -> int:
+    """``dvla bench``: the scripts in ``bench/`` with their one-line purpose; ``dvla bench
+    NAME ARGS`` runs ``bench/NAME.py ARGS`` (``--help`` shows its options)."""
+    import ast
+    import runpy
+
+    if not BENCH_DIR.is_dir():
+        print(f"dvla bench: no bench/ directory next to the dvla package ({BENCH_DIR}); the benchmarks "
+              "come with a source checkout (pip install -e .)", file=sys.stderr)
+        return 2
+    scripts = {p.stem: p for p in sorted(BENCH_DIR.glob("*.py"))}
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: dvla bench NAME [ARGS ...]   (results and commands: bench/RESULTS.md)\n")
+        for name, path in scripts.items():
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            print(f"  {name:<16} {doc.splitlines()[0] if doc else ''}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in scripts:
+        print(f"dvla bench: unknown benchmark {name!r}; available: {', '.join(scripts)}", file=sys.stderr)
+        return 2
+    sys.argv = [str(scripts[name]), *rest]
+    runpy.run_path(str(scripts[name]), run_name="__main__")
+    return 0
 
 
 def trace_main(argv: list[str]) -> int:
@@ -48,7 +78,8 @@ def trace_main(argv: list[str]) -> int:
 
 COMMANDS = {"train": "train a policy (python -m dvla.launch)", "trace": "lane utilisation and Gantt chart",
             "plan": "placement and modelled broadcast cost for a cluster",
-            "config-ref": "configuration reference generated from the config dataclasses"}
+            "config-ref": "configuration reference generated from the config dataclasses",
+            "bench": "list or run the benchmarks in bench/ (results: bench/RESULTS.md)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         from dvla.launch import main as train
 
         return train(rest)
+    if cmd == "bench":
+        return bench_main(rest)
     if cmd == "config-ref":
         from dvla.config_doc import main as config_ref
 

@@ -159,7 +159,11 @@ class RunConfig:
     out_dir: str = "runs/dvla"
     """Metrics (``metrics.jsonl``), the resolved config and weights are written here."""
     progress: bool = True
-    """Show a console progress bar."""
+    """Show a console progress bar (steps/s, success, weights version, staleness, queue
+    depth); false: one line per update."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to ``out_dir/tb`` when the ``tensorboard``
+    package is installed (``pip install 'dvla[tb]'``)."""
     save_every: int = 0
     """Write a checkpoint (weights, optimizer state, RNG states, counters) to
     ``out_dir/checkpoints`` every N learner updates (0: only at the end)."""

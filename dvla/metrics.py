@@ -1,4 +1,7 @@
-"""Metrics: one JSON object per line in ``metrics.jsonl`` plus console progress.
+"""Metrics: one JSON object per line in ``metrics.jsonl``, console progress (a tqdm bar
+whose postfix shows steps/s, success, return, loss, KL, weights version, staleness and
+the learner's queue depth), and TensorBoard event files in ``tb/`` when the
+``tensorboard`` package is installed.
 
 Every record carries ``iter``, ``time`` (seconds since the start of the run) and
 floats only, so the file loads directly with pandas (``pd.read_json(path, lines=True)``).
@@ -17,16 +20,20 @@ from typing import Any
 
 class MetricsLogger:
     def __init__(self, out_dir: str | os.PathLike, total: int, enabled: bool = True,
-                 progress: bool = True, filename: str = "metrics.jsonl", initial: int = 0):
+                 progress: bool = True, filename: str = "metrics.jsonl", initial: int = 0,
+                 tensorboard: bool = False):
         self.enabled = enabled
         self.start = time.perf_counter()
         self.path = Path(out_dir) / filename
         self._fh = None
         self._bar = None
+        self._tb = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", buffering=1)
+        if tensorboard:
+            self._tb = _tensorboard_writer(Path(out_dir) / "tb")
         if progress:
             from tqdm import tqdm
 
@@ -41,6 +48,11 @@ class MetricsLogger:
         if not self.enabled:
             return record
         self._fh.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            step = int(record.get("version") or it + 1)
+            for k, v in record.items():
+                if v is not None and k not in ("iter", "version"):
+                    self._tb.add_scalar(k, v, global_step=step)
         summary = _short(record)
         if self._bar is not None:
             self._bar.set_postfix_str(summary, refresh=False)
@@ -50,16 +62,28 @@ class MetricsLogger:
         return record
 
     def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
         if self._bar is not None:
             self._bar.close()
         if self._fh is not None:
             self._fh.close()
 
 
+def _tensorboard_writer(log_dir: Path):
+    """A TensorBoard writer, or None when the ``tensorboard`` package is not installed
+    (``pip install 'dvla[tb]'``)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
 def _short(r: dict[str, Any]) -> str:
     keys = [("env_steps_per_s", "steps/s", "{:.0f}"), ("success_rate", "success", "{:.2f}"),
             ("return_mean", "return", "{:.3f}"), ("loss", "loss", "{:.4f}"), ("approx_kl", "kl", "{:.4f}"),
-            ("version", "v", "{:.0f}")]
+            ("version", "v", "{:.0f}"), ("staleness_mean", "stale", "{:.2f}"), ("queue_depth", "queue", "{:.0f}")]
     return " ".join(f"{name}={fmt.format(r[k])}" for k, name, fmt in keys if r.get(k) is not None)
 
 

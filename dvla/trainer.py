@@ -125,7 +125,8 @@ class SyncTrainer:
         if lead:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.out_dir / "config.yaml")
-        logger = MetricsLogger(self.out_dir, cfg.run.iterations, enabled=lead, progress=cfg.run.progress)
+        logger = MetricsLogger(self.out_dir, cfg.run.iterations, enabled=lead, progress=cfg.run.progress,
+                               tensorboard=cfg.run.tensorboard)
         history = []
         total_steps = 0
         t_start = time.perf_counter()

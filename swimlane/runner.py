@@ -581,7 +581,7 @@ class Swimlane:
         need = self._chunks_per_update()
         lead = self.rank == 0
         logger = MetricsLogger(self.out_dir, self.iterations, enabled=lead, progress=self.cfg.run.progress,
-                               initial=self.version)
+                               initial=self.version, tensorboard=self.cfg.run.tensorboard)
         steps_total = 0
         self._env_steps = self._carried.get("env_steps", 0)
         try:
