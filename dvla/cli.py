@@ -1,6 +1,8 @@
 """The ``dvla`` command.
 
     dvla train [--preset NAME] [KEY=VALUE ...]   train (same as python -m dvla.launch)
+    dvla report RUN_DIR [--out DIR]              plots (success, return, throughput, staleness,
+                                                 lanes, Gantt, memory) and a text summary
     dvla trace RUN_DIR [--out PNG] [--last S]    lane utilisation and a swimlane Gantt chart
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
     dvla config-ref [--write README.md]          the configuration reference, from the code
@@ -76,7 +78,8 @@ def trace_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": "train a policy (python -m dvla.launch)", "trace": "lane utilisation and Gantt chart",
+COMMANDS = {"train": "train a policy (python -m dvla.launch)", "report": "plots and a text summary of a run",
+            "trace": "lane utilisation and Gantt chart",
             "plan": "placement and modelled broadcast cost for a cluster",
             "config-ref": "configuration reference generated from the config dataclasses",
             "bench": "list or run the benchmarks in bench/ (results: bench/RESULTS.md)"}
@@ -97,6 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         return train(rest)
     if cmd == "bench":
         return bench_main(rest)
+    if cmd == "report":
+        from dvla.report import main as report
+
+        return report(rest)
     if cmd == "config-ref":
         from dvla.config_doc import main as config_ref
 
