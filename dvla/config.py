@@ -431,6 +431,10 @@ def merge(cfg: Any, data: dict[str, Any], path: str = "") -> Any:
     hints = typing.get_type_hints(type(cfg))
     names = {f.name for f in dataclasses.fields(cfg)}
     changes = {}
+    if "options" in names and data.get("name", getattr(cfg, "name", None)) != getattr(cfg, "name", None):
+        # Options belong to the component they were written for: switching the env or
+        # policy (``env.name=gym``) starts from none, plus any given with it.
+        cfg = dataclasses.replace(cfg, options={})
     for key, value in data.items():
         if key not in names:
             raise ConfigError(

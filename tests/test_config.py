@@ -83,3 +83,12 @@ def test_policy_options_are_checked():
         build_policy("tiny_vla", spec, {"head": "mixture"})
     with pytest.raises(ConfigError, match="unknown policy 'gpt'"):
         build_policy("gpt", spec)
+
+
+def test_switching_a_component_drops_the_presets_options():
+    from dvla.presets import fast_reach
+
+    cfg = apply_overrides(fast_reach(), ["env.name=gym", "env.options.gym_id=Pendulum-v1"])
+    assert cfg.env.options == {"gym_id": "Pendulum-v1"}  # fast_reach's 'privileged' is gone
+    same = apply_overrides(fast_reach(), ["env.name=fast_reach", "env.options.radius=0.2"])
+    assert same.env.options == {"privileged": True, "radius": 0.2}  # same env: options merge
