@@ -13,9 +13,10 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class MetricsLogger:
@@ -90,3 +91,32 @@ def _short(r: dict[str, Any]) -> str:
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def follow_metrics(path: str | os.PathLike, on_row: Callable[[dict[str, Any]], None],
+                   stop: threading.Event, poll_s: float = 0.2) -> threading.Thread:
+    """Call ``on_row`` for every record a run appends to ``path`` (``metrics.jsonl``),
+    from a background thread, until ``stop`` is set (then once more, for the last rows).
+    For live displays of a run that another thread or process is writing."""
+    path = Path(path)
+
+    def loop() -> None:
+        offset, pending = 0, ""
+        while True:
+            done = stop.is_set()
+            if path.exists():
+                with open(path) as fh:
+                    fh.seek(offset)
+                    pending += fh.read()
+                    offset = fh.tell()
+                *lines, pending = pending.split("\n")
+                for line in lines:
+                    if line.strip():
+                        on_row(json.loads(line))
+            if done:
+                return
+            stop.wait(poll_s)
+
+    thread = threading.Thread(target=loop, name="dvla-follow-metrics", daemon=True)
+    thread.start()
+    return thread

@@ -31,7 +31,7 @@ must be imported first (the registry is filled at import time).
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import sys
 import threading
 from dataclasses import dataclass
@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from dvla import PolicyOutput, PolicySpec, VLAPolicy, register_policy
 from dvla.config import apply_overrides
+from dvla.metrics import follow_metrics
 from dvla.distributions import GaussianActionDistribution
 from dvla.policy import HashTokenizer
 from dvla.types import Observation
@@ -115,34 +116,11 @@ class PatchMixVLA(VLAPolicy):
         return PolicyOutput(dist=dist, value=self.value_head(z).squeeze(-1))
 
 
-def follow_metrics(path: Path, stop: threading.Event, total: int) -> threading.Thread:
-    """Print one line per learner update as the run appends rows to ``metrics.jsonl``."""
-
-    def show(row: dict) -> None:
-        # tqdm.write keeps the line clear of dvla's progress bar (run.progress).
-        tqdm.write(f"update {row['iter'] + 1:4d}/{total}  success {row['success_rate']:.2f}  "
-                   f"return {row['return_mean']:+.3f}  version {row['version']:.0f}")
-
-    def loop() -> None:
-        offset, pending = 0, ""
-        while True:
-            done = stop.is_set()  # read once more after the run has ended, then leave
-            if path.exists():
-                with open(path) as fh:
-                    fh.seek(offset)
-                    pending += fh.read()
-                    offset = fh.tell()
-                *lines, pending = pending.split("\n")
-                for line in lines:
-                    if line.strip():
-                        show(json.loads(line))
-            if done:
-                return
-            stop.wait(0.2)
-
-    thread = threading.Thread(target=loop, name="follow-metrics", daemon=True)
-    thread.start()
-    return thread
+def show(row: dict, total: int) -> None:
+    """One line per learner update (called by ``follow_metrics`` as rows arrive)."""
+    # tqdm.write keeps the line clear of dvla's progress bar (run.progress).
+    tqdm.write(f"update {row['iter'] + 1:4d}/{total}  success {row['success_rate']:.2f}  "
+               f"return {row['return_mean']:+.3f}  version {row['version']:.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "metrics.jsonl").unlink(missing_ok=True)  # metrics are appended; start a fresh file
 
     stop = threading.Event()
-    follower = follow_metrics(out / "metrics.jsonl", stop, cfg.run.iterations)
+    follower = follow_metrics(out / "metrics.jsonl", functools.partial(show, total=cfg.run.iterations), stop)
     try:
         summary = Swimlane(cfg).run()
     finally:

@@ -34,7 +34,7 @@ The adapter from the command line (any preset whose env.options are empty, e.g. 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import sys
 import threading
 from pathlib import Path
@@ -43,40 +43,18 @@ from tqdm import tqdm
 
 from dvla import AlgoConfig, EnvConfig, PolicyConfig
 from dvla.config import apply_overrides
+from dvla.metrics import follow_metrics
 
 # The adapter attaches one fixed instruction to every observation.
 INSTRUCTIONS = {"Pendulum-v1": "swing the pendulum up and hold it upright",
                 "MountainCarContinuous-v0": "drive the car up to the flag"}
 
 
-def follow_metrics(path: Path, stop: threading.Event, total: int) -> threading.Thread:
-    """Print one line per learner update as the run appends rows to ``metrics.jsonl``."""
-
-    def show(row: dict) -> None:
-        # tqdm.write keeps the line clear of dvla's progress bar (run.progress).
-        tqdm.write(f"update {row['iter'] + 1:4d}/{total}  return {row['return_mean']:9.2f}  "
-                   f"episode length {row['episode_len_mean']:5.1f}  loss {row['loss']:.4f}")
-
-    def loop() -> None:
-        offset, pending = 0, ""
-        while True:
-            done = stop.is_set()  # read once more after the run has ended, then leave
-            if path.exists():
-                with open(path) as fh:
-                    fh.seek(offset)
-                    pending += fh.read()
-                    offset = fh.tell()
-                *lines, pending = pending.split("\n")
-                for line in lines:
-                    if line.strip():
-                        show(json.loads(line))
-            if done:
-                return
-            stop.wait(0.2)
-
-    thread = threading.Thread(target=loop, name="follow-metrics", daemon=True)
-    thread.start()
-    return thread
+def show(row: dict, total: int) -> None:
+    """One line per learner update (called by ``follow_metrics`` as rows arrive)."""
+    # tqdm.write keeps the line clear of dvla's progress bar (run.progress).
+    tqdm.write(f"update {row['iter'] + 1:4d}/{total}  return {row['return_mean']:9.2f}  "
+               f"episode length {row['episode_len_mean']:5.1f}  loss {row['loss']:.4f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "metrics.jsonl").unlink(missing_ok=True)  # metrics are appended; start a fresh file
 
     stop = threading.Event()
-    follower = follow_metrics(out / "metrics.jsonl", stop, cfg.run.iterations)
+    follower = follow_metrics(out / "metrics.jsonl", functools.partial(show, total=cfg.run.iterations), stop)
     try:
         summary = Swimlane(cfg).run()
     finally:
