@@ -228,6 +228,10 @@ class SwimlaneConfig:
     """A simulator exception in an env group drops that group's batch of episodes and
     resets the group (counted as ``env_errors``); this many failures of one group in a
     row stop the run."""
+    stall_timeout_s: float = 600.0
+    """The learner stops the run with a report when no trajectory chunk has arrived for
+    this long (a simulator or rollout rank stuck without crashing); 0 disables. Leave
+    room for genesis' first kernel compilation (minutes)."""
     topology: str = ""
     """Hosts the ranks run on, for placement. Empty: discovered at start-up (host names
     gathered through the torch.distributed store). Or given, e.g. ``2x4`` (2 hosts x 4
@@ -241,6 +245,8 @@ class SwimlaneConfig:
                 for n in ("env_groups", "learner_ranks", "chunks_per_update", "broadcast_every", "queue_size",
                           "max_env_failures")
                 if getattr(self, n) < 1]
+        if self.stall_timeout_s < 0:
+            errs.append(("stall_timeout_s", f"must be >= 0, got {self.stall_timeout_s}"))
         if self.max_staleness < 0:
             errs.append(("max_staleness", f"must be >= 0, got {self.max_staleness}"))
         if self.mode == "sync" and self.broadcast_every != 1:

@@ -584,6 +584,7 @@ class Swimlane:
                                initial=self.version, tensorboard=self.cfg.run.tensorboard)
         steps_total = 0
         self._env_steps = self._carried.get("env_steps", 0)
+        last_chunk = time.monotonic()
         try:
             while self.version < self.iterations and not self.stop_event.is_set():
                 chunks: list[RolloutBatch] = []
@@ -595,7 +596,9 @@ class Swimlane:
                         item = self.source.get(timeout=_POLL_S)
                     if item is None:
                         self._check_senders()
+                        self._check_stall(last_chunk)
                         continue
+                    last_chunk = time.monotonic()
                     batch, _meta, on_done = item
                     steps = env_steps(batch)
                     self.counters["env_steps_sampled"] += steps
@@ -662,6 +665,15 @@ class Swimlane:
                 f"{self.cfg.data_plane.peer_timeout_s}s (data_plane.peer_timeout_s): crashed or hung. "
                 f"Weights cannot be broadcast without them; stopping this attempt "
                 f"(chunk accounting: {self.chunk_accounting()})")
+
+    def _check_stall(self, last_chunk: float) -> None:
+        """No chunk at all for ``swimlane.stall_timeout_s``: something is stuck without
+        crashing (a simulator step that never returns, a frozen rank): stop and say so."""
+        limit = self.sl.stall_timeout_s
+        if limit and time.monotonic() - last_chunk > limit:
+            raise RuntimeError(
+                f"no trajectory chunk for {limit}s (swimlane.stall_timeout_s): a simulator or rollout rank is "
+                f"stuck; env_steps_sampled={self.counters['env_steps_sampled']}, version={self.version}")
 
     def _activations(self):
         """On CUDA, the learner's activations go to the transient pool's segments."""

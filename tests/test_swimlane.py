@@ -176,6 +176,29 @@ def test_a_simulator_exception_resets_its_group_and_is_counted(tmp_path):
     assert sum(1 for s in spans if s[:2] == ("sampling", "env_error")) == 2
 
 
+def test_a_stuck_simulator_is_reported_not_a_silent_hang(tmp_path):
+    lanes = Swimlane(cfg_for(tmp_path, "run.iterations=1000", "swimlane.stall_timeout_s=2"))
+    release = threading.Event()
+    real_step = lanes.envs[0].step
+    calls = {"n": 0}
+
+    def stuck_step(actions):  # the third step never returns (until the test lets it go)
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            release.wait(60)
+        return real_step(actions)
+
+    for env in lanes.envs:
+        env.step = stuck_step
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LaneError, match=r"gradient.*no trajectory chunk for 2s \(swimlane.stall_timeout_s\)"):
+            lanes.run()
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 20
+
+
 def test_gradient_lane_error_is_reported(tmp_path):
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=1000"))
 
