@@ -13,10 +13,9 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 class MetricsLogger:
@@ -32,7 +31,9 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a", buffering=1)
+        # A fresh run starts a fresh file; a resumed one (``initial`` > 0) appends to the
+        # rows it resumes from.
+        self._fh = open(self.path, "a" if initial else "w", buffering=1)
         if tensorboard:
             self._tb = _tensorboard_writer(Path(out_dir) / "tb")
         if progress:
@@ -92,31 +93,3 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
-
-def follow_metrics(path: str | os.PathLike, on_row: Callable[[dict[str, Any]], None],
-                   stop: threading.Event, poll_s: float = 0.2) -> threading.Thread:
-    """Call ``on_row`` for every record a run appends to ``path`` (``metrics.jsonl``),
-    from a background thread, until ``stop`` is set (then once more, for the last rows).
-    For live displays of a run that another thread or process is writing."""
-    path = Path(path)
-
-    def loop() -> None:
-        offset, pending = 0, ""
-        while True:
-            done = stop.is_set()
-            if path.exists():
-                with open(path) as fh:
-                    fh.seek(offset)
-                    pending += fh.read()
-                    offset = fh.tell()
-                *lines, pending = pending.split("\n")
-                for line in lines:
-                    if line.strip():
-                        on_row(json.loads(line))
-            if done:
-                return
-            stop.wait(poll_s)
-
-    thread = threading.Thread(target=loop, name="dvla-follow-metrics", daemon=True)
-    thread.start()
-    return thread

@@ -161,39 +161,35 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def _plot_success(rows, out: Path) -> Path:
+def _plot_trend(rows, out: Path, key: str, ylabel: str, title: str, color: str, name: str,
+                ylim: tuple[float, float] | None = None) -> Path:
+    """One metric per update against env steps, with a moving average."""
     xs, xlabel = _progress_axis(rows)
-    x, y = _xy(xs, _col(rows, "success_rate"))
+    x, y = _xy(xs, _col(rows, key))
     if not x:
-        raise _Skip("no success_rate values in metrics.jsonl")
+        raise _Skip(f"no {key} values in metrics.jsonl")
     window = max(3, len(y) // 10)
     fig, ax = _figure()
-    ax.plot(x, y, "o-", color="#4c72b0", alpha=0.35, ms=3, lw=1, label="per update")
-    ax.plot(x, _smooth(y, window), color="#4c72b0", lw=2.2, label=f"moving average ({window} updates)")
+    ax.plot(x, y, "o-", color=color, alpha=0.35, ms=3, lw=1, label="per update")
+    ax.plot(x, _smooth(y, window), color=color, lw=2.2, label=f"moving average ({window} updates)")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("success rate")
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_title("Success rate vs env steps")
+    ax.set_ylabel(ylabel)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
-    return _save(fig, out / "success.png")
+    return _save(fig, out / name)
+
+
+def _plot_success(rows, out: Path) -> Path:
+    return _plot_trend(rows, out, "success_rate", "success rate", "Success rate vs env steps", "#4c72b0",
+                       "success.png", ylim=(-0.03, 1.03))
 
 
 def _plot_return(rows, out: Path) -> Path:
-    xs, xlabel = _progress_axis(rows)
-    x, y = _xy(xs, _col(rows, "return_mean"))
-    if not x:
-        raise _Skip("no return_mean values in metrics.jsonl")
-    window = max(3, len(y) // 10)
-    fig, ax = _figure()
-    ax.plot(x, y, "o-", color="#55a868", alpha=0.35, ms=3, lw=1, label="per update")
-    ax.plot(x, _smooth(y, window), color="#55a868", lw=2.2, label=f"moving average ({window} updates)")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("mean episode return")
-    ax.set_title("Mean return vs env steps")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
-    return _save(fig, out / "return.png")
+    return _plot_trend(rows, out, "return_mean", "mean episode return", "Mean return vs env steps", "#55a868",
+                       "return.png")
 
 
 def _plot_throughput(rows, out: Path) -> Path:

@@ -14,7 +14,7 @@ What this shows
 * Registering it with ``@register_policy`` and selecting it with ``policy.name=...``.
 * Training it on the ``fast_reach`` preset through the public API (``dvla.presets``,
   ``dvla.config.apply_overrides``, ``swimlane.Swimlane(cfg).run()``), printing the success
-  rate of every learner update as ``metrics.jsonl`` grows.
+  rate of every learner update through the swimlane's ``on_update`` hook.
 
 Run it
 ------
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +42,6 @@ from tqdm import tqdm
 
 from dvla import PolicyOutput, PolicySpec, VLAPolicy, register_policy
 from dvla.config import apply_overrides
-from dvla.metrics import follow_metrics
 from dvla.distributions import GaussianActionDistribution
 from dvla.policy import HashTokenizer
 from dvla.types import Observation
@@ -117,7 +115,7 @@ class PatchMixVLA(VLAPolicy):
 
 
 def show(row: dict, total: int) -> None:
-    """One line per learner update (called by ``follow_metrics`` as rows arrive)."""
+    """One line per learner update (the swimlane's ``on_update`` hook)."""
     # tqdm.write keeps the line clear of dvla's progress bar (run.progress).
     tqdm.write(f"update {row['iter'] + 1:4d}/{total}  success {row['success_rate']:.2f}  "
                f"return {row['return_mean']:+.3f}  version {row['version']:.0f}")
@@ -127,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=40, help="learner updates (default: %(default)s)")
     parser.add_argument("--out", default="runs/examples/custom_policy",
-                        help="output directory; emptied of earlier metrics first (default: %(default)s)")
+                        help="output directory (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="extra dvla overrides, e.g. algo.lr=3e-4")
     args = parser.parse_args(argv)
 
@@ -141,15 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = apply_overrides(cfg, [f"run.iterations={args.iterations}", f"run.out_dir={out}", *args.overrides])
     cfg.validate()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)  # metrics are appended; start a fresh file
 
-    stop = threading.Event()
-    follower = follow_metrics(out / "metrics.jsonl", functools.partial(show, total=cfg.run.iterations), stop)
-    try:
-        summary = Swimlane(cfg).run()
-    finally:
-        stop.set()
-        follower.join()
+    summary = Swimlane(cfg, on_update=functools.partial(show, total=cfg.run.iterations)).run()
     print(f"done: {summary['version']} updates, final success {summary['final_success_rate']:.2f}, "
           f"{summary['env_steps_per_s']:.0f} env steps/s; weights in {out / 'weights.safetensors'}")
     return 0

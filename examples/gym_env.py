@@ -36,14 +36,12 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import threading
 from pathlib import Path
 
 from tqdm import tqdm
 
 from dvla import AlgoConfig, EnvConfig, PolicyConfig
 from dvla.config import apply_overrides
-from dvla.metrics import follow_metrics
 
 # The adapter attaches one fixed instruction to every observation.
 INSTRUCTIONS = {"Pendulum-v1": "swing the pendulum up and hold it upright",
@@ -51,7 +49,7 @@ INSTRUCTIONS = {"Pendulum-v1": "swing the pendulum up and hold it upright",
 
 
 def show(row: dict, total: int) -> None:
-    """One line per learner update (called by ``follow_metrics`` as rows arrive)."""
+    """One line per learner update (the swimlane's ``on_update`` hook)."""
     # tqdm.write keeps the line clear of dvla's progress bar (run.progress).
     tqdm.write(f"update {row['iter'] + 1:4d}/{total}  return {row['return_mean']:9.2f}  "
                f"episode length {row['episode_len_mean']:5.1f}  loss {row['loss']:.4f}")
@@ -61,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=100, help="learner updates (default: %(default)s)")
     parser.add_argument("--out", default="runs/examples/gym_env",
-                        help="output directory; emptied of earlier metrics first (default: %(default)s)")
+                        help="output directory (default: %(default)s)")
     parser.add_argument("--algo", choices=("ppo", "grpo"), default="ppo", help="default: %(default)s")
     parser.add_argument("--gym-id", default="Pendulum-v1", help="a gymnasium env id (default: %(default)s)")
     parser.add_argument("overrides", nargs="*", help="extra dvla overrides, e.g. algo.lr=3e-4")
@@ -88,15 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                                 *args.overrides])
     cfg.validate()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)  # metrics are appended; start a fresh file
 
-    stop = threading.Event()
-    follower = follow_metrics(out / "metrics.jsonl", functools.partial(show, total=cfg.run.iterations), stop)
-    try:
-        summary = Swimlane(cfg).run()
-    finally:
-        stop.set()
-        follower.join()
+    summary = Swimlane(cfg, on_update=functools.partial(show, total=cfg.run.iterations)).run()
     print(f"done: {summary['version']} {cfg.algo.name} updates on {args.gym_id}, "
           f"{summary['env_steps']} env steps; results in {out}")
     return 0

@@ -86,8 +86,8 @@ case "$mode" in
     port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     rdzv_id="dvla-demo-$$"
     mkdir -p "$OUT_DIR"
-    # A fresh demo: metrics are appended to, and per-rank summaries of a bigger earlier run would linger.
-    rm -f "$OUT_DIR/metrics.jsonl" "$OUT_DIR"/summary_rank*.json
+    # A fresh demo: per-rank summaries of a bigger earlier run would linger.
+    rm -f "$OUT_DIR"/summary_rank*.json
     echo "demo: 2 nodes x $NPROC_PER_NODE processes, rendezvous 127.0.0.1:$port, output in $OUT_DIR"
     pids=()
     stop_nodes() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; }

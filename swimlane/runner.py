@@ -48,7 +48,7 @@ import traceback
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -127,7 +127,10 @@ def env_steps(batch: RolloutBatch) -> int:
 
 class Swimlane:
     def __init__(self, cfg: JobConfig, rank: int = 0, world_size: int = 1,
-                 data_plane: DataPlaneConfig | None = None):
+                 data_plane: DataPlaneConfig | None = None,
+                 on_update: Callable[[dict[str, Any]], None] | None = None):
+        """``on_update(record)`` is called on rank 0 after every learner update with the
+        record written to ``metrics.jsonl`` (for live displays and custom logging)."""
         cfg.validate()
         sl = cfg.swimlane
         if sl.learner_ranks > world_size:
@@ -137,6 +140,7 @@ class Swimlane:
             raise ConfigError("swimlane.colocate: false leaves no rank to run rollouts; add processes or "
                               "lower swimlane.learner_ranks")
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.on_update = on_update
         self.sl = sl
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
@@ -638,6 +642,8 @@ class Swimlane:
                         if k in ("sent", "rejected_invalid", "lost_dead_peer")},
                      **stats, **learn, **self._memory_metrics()}
                 self.history.append(logger.log(self.version - 1, m))
+                if lead and self.on_update is not None:
+                    self.on_update(self.history[-1])
                 last = self.version == self.iterations or self.time_up
                 every = self.cfg.run.save_every
                 if lead and ((every and self.version % every == 0) or last):

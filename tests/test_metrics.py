@@ -38,3 +38,13 @@ def test_progress_line_shows_throughput_success_version_and_queue(tmp_path, caps
     line = capsys.readouterr().out
     for part in ("steps/s=1234", "success=0.50", "v=1", "queue=3", "stale=0.25"):
         assert part in line, line
+
+
+def test_on_update_sees_every_record_and_a_fresh_run_starts_a_fresh_file(tmp_path):
+    out = tmp_path / "run"
+    Swimlane(apply_overrides(debug(), [f"run.out_dir={out}", "run.iterations=3"])).run()
+    seen = []
+    Swimlane(apply_overrides(debug(), [f"run.out_dir={out}", "run.iterations=2"]), on_update=seen.append).run()
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["iter"] for r in rows] == [0, 1]  # not appended to the first run's three rows
+    assert seen == rows
