@@ -279,6 +279,11 @@ class DataPlaneConfig:
     """Interval of sender heartbeats (on their own socket)."""
     peer_timeout_s: float = 5.0
     """A sender unheard for this long is declared dead."""
+    keep_receive_buffers: bool = True
+    """On Linux with glibc, let the receiving process keep freed memory for reuse: malloc's
+    mmap threshold goes to 32 MiB and its trim threshold to 256 MiB (``mallopt``, process
+    wide, once), so ZeroMQ's multi-MB receive buffers come from memory already mapped
+    instead of fresh pages that fault in on every message. False leaves malloc alone."""
     curve: bool = False
     """Encrypt with CurveZMQ (the receiver's public key travels through the store)."""
     curve_authorized_dir: str | None = None

@@ -16,11 +16,12 @@ host) and a ``tcp://`` endpoint (loopback unless ``bind_host`` says otherwise, r
 port) and publishes both, with its host name, in the torch.distributed store that
 torchrun already runs. A sender on the same host uses ipc, others tcp.
 
-Messages use :mod:`planes.serial` (msgpack envelope, raw tensor frames, never pickle).
-The receiver validates the envelope before it reads any data frame, so it knows each
-frame's size: large tensors (>= 64 KiB) stay in their ZeroMQ frames (zero-copy,
-read-only), small ones are received with ``recv_into`` into one fresh buffer per message
-(writable, owned by that message's tensors). A frame of another size than declared, or
+Messages use :mod:`planes.serial` (msgpack envelope, one packed frame for the small
+tensors, one raw frame per large tensor, never pickle). The receiver validates the
+envelope before it reads any data frame, so it knows each frame's size: large tensors
+(>= 64 KiB) stay in their ZeroMQ frames (zero-copy, read-only), the packed frame is
+received with ``recv_into`` into one fresh buffer per message (writable, owned by that
+message's tensors). A frame of another size than declared, or
 a missing or extra frame, rejects the message and the rest of its parts are dropped.
 Malformed messages are counted by reason and logged; the receiver keeps running.
 Optional CurveZMQ encryption (``curve=True``): the receiver's public key travels
@@ -31,9 +32,11 @@ in that directory (``*.key`` files from ``zmq.auth.create_certificates``) may co
 from __future__ import annotations
 
 import collections
+import ctypes
 import datetime
 import logging
 import os
+import platform
 import queue
 import socket
 import tempfile
@@ -50,18 +53,19 @@ from torch import Tensor
 
 from dvla.config import DataPlaneConfig, validate  # noqa: F401  (DataPlaneConfig is public here)
 from planes.serial import (
+    PACK_LIMIT,
     MessageError,
     as_tensor,
     check_frame,
+    check_packed,
     decode_envelope,
     encode,
+    layout,
 )
 
 log = logging.getLogger("dvla.planes.data")
 
 HEARTBEAT_KIND = "_hb"
-_ZERO_COPY_MIN = 64 * 1024  # below this, copying a frame is cheaper than tracking it
-_ALIGN = 64  # small tensors share one receive buffer, each starting on this boundary
 _DISCARD = bytearray()  # recv_into an empty buffer drops a frame
 _SNDMORE = int(zmq.SNDMORE)  # a plain int: combining flag enums per frame costs more than the send
 
@@ -87,6 +91,34 @@ class BackpressureTimeout(TimeoutError):
     """``send`` waited ``send_timeout_s`` for the receiver to take messages."""
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+_HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
+_HEAP_TRIM_THRESHOLD = 256 << 20
+_heap_kept = False
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Tell glibc's malloc to serve blocks below 32 MiB from its heaps and to keep up to
+    256 MiB of freed memory at their tops, for this whole process. True if it took effect
+    (now or before); False where the C library is not glibc.
+
+    Why: libzmq allocates each received message with malloc, in its I/O thread. With
+    glibc's defaults a multi-MB block is mapped afresh (or the heap top trimmed and grown
+    again) as chunks come and go, and every page of it faults in when the frame is
+    written: on loopback tcp, page faults were most of the receiving side's extra kernel
+    time (bench/RESULTS.md). With these settings freed receive buffers are reused."""
+    global _heap_kept
+    if _heap_kept:
+        return True
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _heap_kept = (mallopt(_M_MMAP_THRESHOLD, _HEAP_MMAP_THRESHOLD) == 1
+                  and mallopt(_M_TRIM_THRESHOLD, _HEAP_TRIM_THRESHOLD) == 1)
+    return _heap_kept
+
+
 def _hostname() -> str:
     return os.environ.get("DVLA_FAKE_HOSTNAME") or socket.gethostname()
 
@@ -98,6 +130,8 @@ class TrajectoryReceiver:
                  ctx: zmq.Context | None = None):
         self.cfg = cfg or DataPlaneConfig()
         validate(self.cfg, "data_plane.")
+        if self.cfg.keep_receive_buffers:
+            keep_freed_memory_for_reuse()
         self.ctx = ctx or zmq.Context.instance()
         self.counters = Counters()
         self._queue: queue.Queue[Message] = queue.Queue(maxsize=self.cfg.recv_queue)
@@ -155,8 +189,6 @@ class TrajectoryReceiver:
         data_poll = zmq.Poller()
         data_poll.register(self._sock, zmq.POLLIN)
         data_poll.register(self._hb_sock, zmq.POLLIN)
-        hb_poll = zmq.Poller()
-        hb_poll.register(self._hb_sock, zmq.POLLIN)
         held: Message | None = None  # decoded, waiting for room in the queue
         next_check = 0.0
         try:
@@ -167,13 +199,11 @@ class TrajectoryReceiver:
                     self._check_peers()
                     next_check = now + 0.05
                 if held is not None:
-                    try:
-                        self._queue.put_nowait(held)
+                    try:  # wakes as soon as the consumer takes a message
+                        self._queue.put(held, timeout=0.02)
                         held = None
                     except queue.Full:
-                        # Backpressure: leave the data socket unread, keep watching liveness.
-                        hb_poll.poll(20)
-                        continue
+                        continue  # backpressure: the data socket stays unread, liveness is still checked
                 try:
                     held = self._receive(self._sock)
                 except zmq.Again:
@@ -196,38 +226,39 @@ class TrajectoryReceiver:
         """Receive and decode the next message; raises ``zmq.Again`` when none is waiting.
 
         The envelope is checked before any data frame is read, so each frame's size is
-        known: large ones are taken zero-copy from ZeroMQ, the small ones are received
-        straight into one buffer per message (no frame object, no allocation each)."""
+        known: the packed frame of small tensors is received straight into one fresh
+        buffer (writable, owned by this message's tensors), large tensors are taken
+        zero-copy from ZeroMQ."""
         head = sock.recv(flags=zmq.NOBLOCK, copy=False)
         more = head.more
         try:
             kind, meta, specs = decode_envelope(head.buffer, self.cfg.max_message_bytes)
-            offsets, small = [], 0
-            for spec in specs:
-                offsets.append(small)
-                if spec.nbytes < _ZERO_COPY_MIN:
-                    small += -(-spec.nbytes // _ALIGN) * _ALIGN
-            # Not zero-filled: its pages cost nothing until a frame is received into them, so
-            # an envelope that declares bytes it never sends costs no memory or time for them.
-            shared = torch.empty(small, dtype=torch.uint8).numpy()
-            view = memoryview(shared)
-            tensors: dict[str, Tensor] = {}
-            for i, (spec, off) in enumerate(zip(specs, offsets)):
+            packed_size, offsets = layout(specs)
+            out: list[Tensor | None] = [None] * len(specs)
+            if packed_size is not None:
                 if not more:
-                    raise MessageError("bad_frames", f"{len(specs)} tensors declared but {i} data frames received")
-                if spec.nbytes >= _ZERO_COPY_MIN:
-                    frame = sock.recv(flags=zmq.NOBLOCK, copy=False)  # the parts of a message arrive together
+                    raise MessageError("bad_frames", "the packed frame of small tensors is missing")
+                # Not zero-filled: its pages cost nothing until the frame is received into
+                # them, so an envelope that declares bytes it never sends costs nothing.
+                packed = torch.empty(packed_size, dtype=torch.uint8).numpy()
+                # recv_into returns the frame's real size: a larger frame was truncated.
+                size = sock.recv_into(packed, flags=zmq.NOBLOCK)  # the parts of a message arrive together
+                more = sock.getsockopt(zmq.RCVMORE)
+                check_packed(packed_size, size)
+                for i, (spec, off) in enumerate(zip(specs, offsets)):
+                    if off is not None:
+                        out[i] = as_tensor(packed, spec, off)
+            for i, (spec, off) in enumerate(zip(specs, offsets)):
+                if off is None:
+                    if not more:
+                        raise MessageError("bad_frames", f"data frame of tensor {i} of {len(specs)} is missing")
+                    frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
                     more = frame.more
                     check_frame(spec, len(frame.buffer))
-                    tensors[spec.name] = as_tensor(frame.buffer, spec)
-                else:
-                    # recv_into returns the frame's real size: a larger frame was truncated.
-                    size = sock.recv_into(view[off:off + spec.nbytes], flags=zmq.NOBLOCK)
-                    more = sock.getsockopt(zmq.RCVMORE)
-                    check_frame(spec, size)
-                    tensors[spec.name] = as_tensor(shared, spec, off)
+                    out[i] = as_tensor(frame.buffer, spec)
             if more:
-                raise MessageError("bad_frames", f"more than the {len(specs)} declared data frames received")
+                raise MessageError("bad_frames", "more data frames received than the envelope declares")
+            tensors = {spec.name: t for spec, t in zip(specs, out)}
             sender, seq = meta.get("sender"), meta.get("seq")
             if not isinstance(sender, str) or not isinstance(seq, int):
                 raise MessageError("bad_envelope", "meta must carry 'sender' (str) and 'seq' (int)")
@@ -384,10 +415,10 @@ class TrajectorySender:
         meta = dict(meta or {})
         seq = self.seq
         meta.update(sender=self.sender_id, seq=seq)
-        # Large frames go zero-copy and tracked (send_multipart(track=True) would only track
-        # the last part); small ones are cheaper to copy. The tensors whose memory the
+        # Large tensors' frames go zero-copy and tracked (send_multipart(track=True) would
+        # only track the last part); the packed frame of small ones is already a copy. The tensors whose memory the
         # tracked frames point into stay referenced until ZeroMQ is done with them.
-        frames = [zmq.Frame(f, track=True) if len(f) >= _ZERO_COPY_MIN else f
+        frames = [zmq.Frame(f, track=True) if isinstance(f, memoryview) and len(f) >= PACK_LIMIT else f
                   for f in encode(kind, tensors, meta)]
         tracked = [f for f in frames if isinstance(f, zmq.Frame)]
         try:  # blocks inside libzmq (GIL released) while the receiver applies backpressure

@@ -1,21 +1,30 @@
-"""Wire format of the data plane: a msgpack envelope plus one raw frame per tensor.
+"""Wire format of the data plane: a msgpack envelope, then the tensors' bytes in raw frames.
 
 A message is a list of ZeroMQ frames::
 
     frame 0    msgpack map {"v": PROTOCOL_VERSION, "kind": str, "meta": map,
                             "tensors": [[name, dtype, shape, nbytes], ...]}
-    frame 1..N the bytes of each tensor, in the order listed, C-contiguous
+    packed     present when some tensor has fewer than PACK_LIMIT bytes: all such tensors,
+               in the order listed, each starting at a multiple of PACK_ALIGN bytes
+               (zero padding between them, none after the last)
+    then       one frame per tensor of PACK_LIMIT bytes or more, in the order listed,
+               C-contiguous
 
-Encoding does not copy tensor memory: each frame is a ``memoryview`` over the tensor's
-own storage (the caller keeps the tensors alive until ZeroMQ has sent them; the socket
-layer holds them for the lifetime of the send tracker). Decoding wraps the received
-buffers with ``torch.frombuffer``, again without a copy.
+The layout follows from the envelope alone (:func:`layout`), so a receiver knows the size of
+every frame before it reads one. Small tensors (proprioception, actions, rewards, masks)
+share a frame because every frame costs a send and a receive call and a ZeroMQ message on
+each side, whatever its size; copying a few KiB into the packed frame is cheaper. Large
+tensors (images) are not copied: each frame is a ``memoryview`` over the tensor's own
+storage (the caller keeps the tensors alive until ZeroMQ has sent them; the socket layer
+holds them for the lifetime of the send tracker). Decoding wraps the received buffers with
+``torch.frombuffer``, again without a copy.
 
 Nothing here ever unpickles. Decoding is strict: the protocol version, the number of
-frames, every dtype (from an allow-list), shape and byte count, the message size and
-the msgpack types are all checked, and any violation raises :class:`MessageError` with
-a reason that names the problem. msgpack extension types are refused, timestamps (type
--1) included; error messages quote received values through a bounded ``reprlib`` repr.
+frames, every dtype (from an allow-list), shape and byte count, each frame's size, the
+message size and the msgpack types are all checked, and any violation raises
+:class:`MessageError` with a reason that names the problem. msgpack extension types are
+refused, timestamps (type -1) included; error messages quote received values through a
+bounded ``reprlib`` repr.
 """
 
 from __future__ import annotations
@@ -29,8 +38,10 @@ import msgpack
 import torch
 from torch import Tensor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: small tensors packed into one frame (1: one frame per tensor)
 DEFAULT_MAX_BYTES = 1 << 30  # 1 GiB per message
+PACK_LIMIT = 64 * 1024  # tensors below this many bytes travel in the packed frame
+PACK_ALIGN = 64  # each packed tensor starts on this boundary (any dtype's alignment)
 
 DTYPES: dict[str, torch.dtype] = {
     "uint8": torch.uint8,
@@ -75,9 +86,10 @@ class MessageError(ValueError):
 
 def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = None) -> list[Any]:
     """Frames for one message. Tensors must be on the CPU; non-contiguous ones are
-    made contiguous (that one case copies)."""
-    specs = []
-    frames: list[Any] = [None]
+    made contiguous (that one case copies a large tensor). Tensors below
+    :data:`PACK_LIMIT` bytes are copied into the packed frame (a ``bytearray``), the
+    others are ``memoryview`` frames over their own memory."""
+    specs, small, large = [], [], []
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
             raise TypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
@@ -89,15 +101,56 @@ def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = 
             t = t.contiguous()
         nbytes = t.numel() * _ITEMSIZE[t.dtype]
         specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape), nbytes])
-        if nbytes == 0:
-            frames.append(b"")
-        elif t.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret as bytes
-            frames.append(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
-        else:
-            frames.append(memoryview(t.detach().numpy()).cast("B"))
-    envelope = {"v": PROTOCOL_VERSION, "kind": kind, "meta": meta or {}, "tensors": specs}
-    frames[0] = msgpack.packb(envelope, use_bin_type=True)
+        if nbytes:
+            (small if nbytes < PACK_LIMIT else large).append(_bytes_of(t))
+        elif nbytes < PACK_LIMIT:
+            small.append(None)
+    frames: list[Any] = [msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "meta": meta or {}, "tensors": specs},
+                                       use_bin_type=True)]
+    if small:
+        size, offsets = _pack_offsets(len(b) if b is not None else 0 for b in small)
+        packed = bytearray(size)
+        for buf, off in zip(small, offsets):
+            if buf is not None:
+                packed[off:off + len(buf)] = buf
+        frames.append(packed)
+    frames.extend(large)
     return frames
+
+
+def _bytes_of(t: Tensor) -> memoryview:
+    """A flat byte view of a contiguous CPU tensor's memory (no copy)."""
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret as bytes
+        return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.detach().numpy()).cast("B")
+
+
+def _pack_offsets(sizes) -> tuple[int, list[int]]:
+    """Offsets of tensors of ``sizes`` bytes in the packed frame, and the frame's size.
+    Empty tensors take no room (offset 0)."""
+    end, offsets = 0, []
+    for n in sizes:
+        if n:
+            off = -(-end // PACK_ALIGN) * PACK_ALIGN
+            offsets.append(off)
+            end = off + n
+        else:
+            offsets.append(0)
+    return end, offsets
+
+
+def layout(specs: list[TensorSpec]) -> tuple[int | None, list[int | None]]:
+    """Where each tensor of a message travels: ``(packed_size, offsets)``. ``packed_size``
+    is the size of the packed frame, or None when the message has none; ``offsets[i]`` is
+    tensor i's offset in the packed frame, or None when it has a frame of its own."""
+    packed = [i for i, s in enumerate(specs) if s.nbytes < PACK_LIMIT]
+    offsets: list[int | None] = [None] * len(specs)
+    if not packed:
+        return None, offsets
+    size, offs = _pack_offsets(specs[i].nbytes for i in packed)
+    for i, off in zip(packed, offs):
+        offsets[i] = off
+    return size, offsets
 
 
 def _reject_ext(code: int, data: bytes) -> Any:
@@ -109,13 +162,24 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, 
     if not frames:
         raise MessageError("bad_envelope", "empty message")
     kind, meta, specs = decode_envelope(_buffer(frames[0]), max_bytes)
-    if len(frames) != len(specs) + 1:
-        raise MessageError("bad_frames", f"{len(specs)} tensors declared but {len(frames) - 1} data frames received")
+    packed_size, offsets = layout(specs)
+    expected = (packed_size is not None) + sum(off is None for off in offsets)
+    if len(frames) != expected + 1:
+        raise MessageError("bad_frames", f"{len(specs)} tensors need {expected} data frames, "
+                                         f"{len(frames) - 1} received")
+    data = iter(frames[1:])
+    packed = None
+    if packed_size is not None:
+        packed = _buffer(next(data))
+        check_packed(packed_size, memoryview(packed).nbytes)
     tensors: dict[str, Tensor] = {}
-    for spec, frame in zip(specs, frames[1:]):
-        buf = _buffer(frame)
-        check_frame(spec, memoryview(buf).nbytes)
-        tensors[spec.name] = as_tensor(buf, spec)
+    for spec, off in zip(specs, offsets):
+        if off is None:
+            buf = _buffer(next(data))
+            check_frame(spec, memoryview(buf).nbytes)
+            tensors[spec.name] = as_tensor(buf, spec)
+        else:
+            tensors[spec.name] = as_tensor(packed, spec, off)
     return kind, meta, tensors
 
 
@@ -153,6 +217,13 @@ def check_frame(spec: TensorSpec, size: int) -> None:
     if size != spec.nbytes:
         raise MessageError("bad_tensor", f"tensor {_quote(spec.name, 40)}: {spec.dtype} {spec.shape} needs "
                                          f"{spec.nbytes} bytes, frame has {size}")
+
+
+def check_packed(expected: int, size: int) -> None:
+    """The packed frame must be exactly as long as the layout of the envelope says."""
+    if size != expected:
+        raise MessageError("bad_tensor", f"packed frame of the small tensors needs {expected} bytes, "
+                                         f"frame has {size}")
 
 
 def as_tensor(buf: Any, spec: TensorSpec, offset: int = 0) -> Tensor:

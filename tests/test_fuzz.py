@@ -44,6 +44,7 @@ from planes.serial import (
     decode,
     decode_envelope,
     encode,
+    layout,
 )
 
 REASONS = {"bad_envelope", "bad_version", "bad_tensor", "bad_frames", "oversized"}
@@ -156,7 +157,7 @@ weird_dims = st.one_of(dims, st.booleans(), st.floats(0, 8), texts, st.none(), g
 names = st.one_of(st.sampled_from(["a", "b", "obs"]), texts)  # a small pool: duplicates are common
 bad_dtypes = st.one_of(st.sampled_from(["object", "float", "complex64", "uint16", "Float32", "float32 ", "",
                                         "torch.float32", "qint8", "bool_"]), st.binary(max_size=8), garbage)
-versions = st.one_of(st.sampled_from([0, 2, -1, 255, 2**64 - 1, True, 1.0, "1", b"\x01", [1], {"v": 1}, None]),
+versions = st.one_of(st.sampled_from([0, 1, 3, -1, 255, 2**64 - 1, True, 2.0, "2", b"\x02", [2], {"v": 2}, None]),
                      garbage)
 
 
@@ -376,10 +377,25 @@ def check_message(frames: list[bytes]) -> None:
     assert check_envelope(frames[0]) is None
     env_kind, env_meta, specs = decode_envelope(frames[0], MAX_BYTES)
     assert kind == env_kind and msgpack.packb(meta) == msgpack.packb(env_meta)
-    assert len(frames) == len(specs) + 1 and list(tensors) == [s.name for s in specs]
-    for spec, frame in zip(specs, frames[1:]):
+    sizes = frame_sizes(specs)
+    assert [len(f) for f in frames[1:]] == sizes and list(tensors) == [s.name for s in specs]
+    for spec, want in zip(specs, tensor_bytes(specs, frames[1:])):
         t = tensors[spec.name]
-        assert t.dtype == spec.dtype and list(t.shape) == spec.shape and raw_bytes(t) == frame
+        assert t.dtype == spec.dtype and list(t.shape) == spec.shape and raw_bytes(t) == want
+
+
+def frame_sizes(specs: list[TensorSpec]) -> list[int]:
+    """The data frames' sizes the wire format demands, in order: the packed frame of the
+    small tensors (if any), then one per large tensor."""
+    packed, offsets = layout(specs)
+    return ([] if packed is None else [packed]) + [s.nbytes for s, off in zip(specs, offsets) if off is None]
+
+
+def tensor_bytes(specs: list[TensorSpec], data: list[bytes]) -> list[bytes]:
+    """Each tensor's bytes, cut from data frames of the right sizes."""
+    packed, offsets = layout(specs)
+    large = iter(data[packed is not None:])
+    return [next(large) if off is None else data[0][off:off + s.nbytes] for s, off in zip(specs, offsets)]
 
 
 # -- regressions: inputs the fuzz found that used to escape as other exceptions -----------
@@ -504,7 +520,7 @@ class WireFuzzer:
         elif what == 2:
             env[r.choice([self.text(3), b"v", b"tensors", 7, None])] = self.value()
         elif what == 3:
-            env["v"] = r.choice([0, 2, -1, 2**64 - 1, True, 1.0, "1", b"\x01", [1], None])
+            env["v"] = r.choice([0, 1, 3, -1, 2**64 - 1, True, 1.0, "1", b"\x01", [1], None])
         elif what == 4:
             env["kind"] = r.choice([None, 3, b"rollout", ["rollout"], {}])
         elif what == 5:
@@ -594,19 +610,19 @@ def predict(frames: list[bytes]) -> tuple[str, object]:
         kind, meta, specs = decode_envelope(frames[0], SOCKET_MAX_BYTES)
     except MessageError as exc:
         return "rejected", exc.reason
-    data = frames[1:]
-    for i, spec in enumerate(specs):
+    data, sizes = frames[1:], frame_sizes(specs)
+    for i, size in enumerate(sizes):
         if i >= len(data):
             return "rejected", "bad_frames"
-        if len(data[i]) != spec.nbytes:
+        if len(data[i]) != size:
             return "rejected", "bad_tensor"
-    if len(data) > len(specs):
+    if len(data) > len(sizes):
         return "rejected", "bad_frames"
     if not isinstance(meta.get("sender"), str) or not isinstance(meta.get("seq"), int):
         return "rejected", "bad_envelope"
     if kind == HEARTBEAT_KIND:
         return "heartbeat", None
-    return "delivered", (kind, meta, dict(zip((s.name for s in specs), data)))
+    return "delivered", (kind, meta, dict(zip((s.name for s in specs), tensor_bytes(specs, data))))
 
 
 def same_message(msg, expected) -> bool:

@@ -4,7 +4,7 @@ import msgpack
 import pytest
 import torch
 
-from planes.serial import DTYPES, PROTOCOL_VERSION, MessageError, decode, encode
+from planes.serial import PACK_ALIGN, PACK_LIMIT, DTYPES, PROTOCOL_VERSION, MessageError, decode, encode
 from dvla.envs import make_env
 from dvla.config import EnvConfig
 from dvla.policy import PolicySpec, build_policy
@@ -40,11 +40,19 @@ def test_round_trip_bit_exact_all_dtypes():
         assert torch.equal(got[k].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), k
 
 
-def test_frames_are_zero_copy_views():
-    t = torch.arange(16, dtype=torch.float32)
-    frames = encode("x", {"t": t})
-    t[0] = 42.0  # the frame sees the tensor's own memory
-    assert torch.frombuffer(bytearray(frames[1]), dtype=torch.float32)[0] == 42.0
+def test_large_tensors_are_zero_copy_frames_small_ones_share_the_packed_frame():
+    big = torch.arange(PACK_LIMIT // 4, dtype=torch.float32)  # PACK_LIMIT bytes: a frame of its own
+    a, b = torch.arange(3), torch.ones(5, dtype=torch.bool)
+    frames = encode("x", {"a": a, "big": big, "empty": torch.zeros(0), "b": b})
+    assert len(frames) == 3  # envelope, packed (a, empty, b), big
+    big[0] = 42.0  # the large frame is the tensor's own memory
+    assert torch.frombuffer(bytearray(frames[2]), dtype=torch.float32)[0] == 42.0
+    a[0] = 7  # the packed frame is a copy
+    packed = bytes(frames[1])  # a at 0, b at the next PACK_ALIGN boundary, nothing after b
+    assert packed == torch.arange(3).numpy().tobytes() + bytes(PACK_ALIGN - 24) + bytes([1] * 5)
+    _, _, got = decode([bytes(f) for f in frames])
+    assert torch.equal(got["a"], torch.arange(3)) and torch.equal(got["b"], b) and got["empty"].shape == (0,)
+    assert torch.equal(got["big"], big)
 
 
 def test_rollout_batch_round_trip():
@@ -71,7 +79,8 @@ def envelope(**over):
         ([], "bad_envelope"),
         ([b"\xc1garbage"], "bad_envelope"),
         ([msgpack.packb([1, 2, 3])], "bad_envelope"),
-        ([envelope(v=2), b"\x00" * 8], "bad_version"),
+        ([envelope(v=1), b"\x00" * 8], "bad_version"),  # one frame per tensor: no longer spoken
+        ([envelope(v=3), b"\x00" * 8], "bad_version"),
         ([envelope(), b"\x00" * 7], "bad_tensor"),  # truncated data frame
         ([envelope()], "bad_frames"),  # missing data frame
         ([envelope(), b"\x00" * 8, b"x"], "bad_frames"),  # extra frame
