@@ -11,7 +11,9 @@ ipc:// (or tcp:// on loopback), alternating in blocks between
 
 Both paths live in the same two processes for the whole run and each block starts only when
 the receiver asks for it, so both see the same machine state. Prints throughput and the
-median over blocks of the ratio dvla/raw (target >= 0.9).
+median over blocks of the ratio dvla/raw (target >= 0.9). The receiver keeps freed receive
+buffers mapped (``data_plane.keep_receive_buffers``, process-wide, so the raw path gets it
+too); ``--default-malloc`` runs both paths with glibc's defaults instead.
 
     python bench/data_plane.py --messages 200 --blocks 10 --transport ipc
 """
@@ -74,6 +76,7 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=200, help="messages per block")
     ap.add_argument("--blocks", type=int, default=10, help="blocks of each kind")
     ap.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
+    ap.add_argument("--default-malloc", action="store_true", help="leave glibc malloc's settings alone")
     args = ap.parse_args()
     n = args.messages
 
@@ -85,7 +88,7 @@ def main() -> None:
         raw.bind(raw_address)
     else:
         raw_address = f"tcp://127.0.0.1:{raw.bind_to_random_port('tcp://127.0.0.1')}"
-    rx = TrajectoryReceiver(DataPlaneConfig(transport=args.transport))
+    rx = TrajectoryReceiver(DataPlaneConfig(transport=args.transport, keep_receive_buffers=not args.default_malloc))
     go, go_child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
         target=_sender, args=(rx.endpoints, raw_address, args.transport, n, args.blocks, go_child))
@@ -118,7 +121,8 @@ def main() -> None:
     size = nbytes(make_chunk())
     ratios = sorted(r / d for r, d in zip(times["raw"], times["dvla"]))
     mb = size * (n - 1) / 1e6
-    print(f"chunk {size / 1e6:.2f} MB, {args.blocks} blocks x {n} messages of each kind, {args.transport}")
+    malloc = "glibc defaults" if args.default_malloc else "receive buffers kept"
+    print(f"chunk {size / 1e6:.2f} MB, {args.blocks} blocks x {n} messages of each kind, {args.transport}, {malloc}")
     for name in ("raw", "dvla"):
         med = statistics.median(times[name])
         print(f"{name:5s} median {mb / med:8.1f} MB/s {(n - 1) / med:7.1f} msg/s   best {mb / min(times[name]):8.1f} MB/s")

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 import msgpack
+import numpy
 import torch
 import zmq
 from torch import Tensor
@@ -58,15 +59,15 @@ from planes.serial import (
     as_tensor,
     check_frame,
     check_packed,
-    decode_envelope,
+    decode_head,
     encode,
-    layout,
 )
 
 log = logging.getLogger("dvla.planes.data")
 
 HEARTBEAT_KIND = "_hb"
 _DISCARD = bytearray()  # recv_into an empty buffer drops a frame
+_POLLIN = int(zmq.POLLIN)
 _SNDMORE = int(zmq.SNDMORE)  # a plain int: combining flag enums per frame costs more than the send
 
 
@@ -204,10 +205,15 @@ class TrajectoryReceiver:
                         held = None
                     except queue.Full:
                         continue  # backpressure: the data socket stays unread, liveness is still checked
+                # Ask before receiving: a receive that finds nothing raises zmq.Again, and
+                # raising costs more than the question (once per message and more).
+                if not self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
+                    data_poll.poll(50)
+                    continue
                 try:
                     held = self._receive(self._sock)
                 except zmq.Again:
-                    data_poll.poll(50)
+                    pass
             if held is not None:
                 self.counters.dropped["shutdown"] += 1
         except BaseException as exc:  # surfaced to the consumer by get()
@@ -232,15 +238,14 @@ class TrajectoryReceiver:
         head = sock.recv(flags=zmq.NOBLOCK, copy=False)
         more = head.more
         try:
-            kind, meta, specs = decode_envelope(head.buffer, self.cfg.max_message_bytes)
-            packed_size, offsets = layout(specs)
+            kind, meta, specs, (_, packed_size, offsets, _) = decode_head(head.buffer, self.cfg.max_message_bytes)
             out: list[Tensor | None] = [None] * len(specs)
             if packed_size is not None:
                 if not more:
                     raise MessageError("bad_frames", "the packed frame of small tensors is missing")
                 # Not zero-filled: its pages cost nothing until the frame is received into
                 # them, so an envelope that declares bytes it never sends costs nothing.
-                packed = torch.empty(packed_size, dtype=torch.uint8).numpy()
+                packed = numpy.empty(packed_size, dtype=numpy.uint8)
                 # recv_into returns the frame's real size: a larger frame was truncated.
                 size = sock.recv_into(packed, flags=zmq.NOBLOCK)  # the parts of a message arrive together
                 more = sock.getsockopt(zmq.RCVMORE)

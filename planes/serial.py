@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import reprlib
 import warnings
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import msgpack
 import torch
@@ -81,7 +81,7 @@ class MessageError(ValueError):
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
-        self.reason = reason
+        self.reason, self.detail = reason, detail
 
 
 def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = None) -> list[Any]:
@@ -139,7 +139,7 @@ def _pack_offsets(sizes) -> tuple[int, list[int]]:
     return end, offsets
 
 
-def layout(specs: list[TensorSpec]) -> tuple[int | None, list[int | None]]:
+def layout(specs: Sequence[TensorSpec]) -> tuple[int | None, list[int | None]]:
     """Where each tensor of a message travels: ``(packed_size, offsets)``. ``packed_size``
     is the size of the packed frame, or None when the message has none; ``offsets[i]`` is
     tensor i's offset in the packed frame, or None when it has a frame of its own."""
@@ -161,8 +161,7 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, 
     """Validate and unpack a message: ``(kind, meta, tensors)``. Raises :class:`MessageError`."""
     if not frames:
         raise MessageError("bad_envelope", "empty message")
-    kind, meta, specs = decode_envelope(_buffer(frames[0]), max_bytes)
-    packed_size, offsets = layout(specs)
+    kind, meta, specs, (_, packed_size, offsets, _) = decode_head(_buffer(frames[0]), max_bytes)
     expected = (packed_size is not None) + sum(off is None for off in offsets)
     if len(frames) != expected + 1:
         raise MessageError("bad_frames", f"{len(specs)} tensors need {expected} data frames, "
@@ -187,6 +186,28 @@ def decode_envelope(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str,
     """Validate frame 0 alone: ``(kind, meta, specs)``, each spec's byte count checked against
     its dtype and shape and their sum against ``max_bytes``, so that a receiver knows how big
     every data frame must be before reading it. Raises :class:`MessageError`."""
+    kind, meta, specs, _ = decode_head(head, max_bytes)
+    return kind, meta, list(specs)
+
+
+class Layout(NamedTuple):
+    """A validated tensor list and where its tensors travel (see :func:`layout`)."""
+
+    specs: tuple[TensorSpec, ...]
+    packed_size: int | None
+    offsets: list[int | None]
+    nbytes: int
+
+
+# Senders send the same tensor list message after message; its validation and layout are
+# kept, keyed by the list's exact msgpack bytes (so 1, 1.0 and true stay different keys).
+_LAYOUTS: dict[bytes, Layout | MessageError] = {}
+_LAYOUTS_MAX = 256
+
+
+def decode_head(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, dict[str, Any], tuple[TensorSpec, ...], Layout]:
+    """:func:`decode_envelope` plus the message's :class:`Layout`; the specs are shared with
+    later messages that declare the same tensors (do not modify them)."""
     if memoryview(head).nbytes > _MAX_ENVELOPE:
         raise MessageError("oversized", f"envelope of {memoryview(head).nbytes} bytes exceeds {_MAX_ENVELOPE}")
     try:
@@ -204,12 +225,32 @@ def decode_envelope(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str,
     if not isinstance(kind, str) or not isinstance(meta, dict) or not isinstance(raw_specs, list):
         raise MessageError("bad_envelope", "kind must be a string, meta a map and tensors a list")
     _reject_timestamps(meta)
-    specs = [_check_spec(s) for s in raw_specs]
+    try:
+        key = msgpack.packb(raw_specs, use_bin_type=True)  # what was unpacked packs again
+    except Exception:  # but should it not, validate without the cache
+        key = None
+    known = _LAYOUTS.get(key) if key is not None else None
+    if known is None:
+        try:
+            known = _check_specs(raw_specs)
+        except MessageError as exc:
+            known = exc
+        if key is not None:
+            if len(_LAYOUTS) >= _LAYOUTS_MAX:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = known
+    if isinstance(known, MessageError):  # a fresh one: re-raising one object grows its traceback
+        raise MessageError(known.reason, known.detail)
+    if known.nbytes > max_bytes:
+        raise MessageError("oversized", f"message exceeds {max_bytes} bytes")
+    return kind, meta, known.specs, known
+
+
+def _check_specs(raw_specs: list) -> Layout:
+    specs = tuple(_check_spec(s) for s in raw_specs)
     if len({s.name for s in specs}) != len(specs):
         raise MessageError("bad_tensor", f"duplicate tensor name in {_quote([s.name for s in specs])}")
-    if sum(s.nbytes for s in specs) > max_bytes:
-        raise MessageError("oversized", f"message exceeds {max_bytes} bytes")
-    return kind, meta, specs
+    return Layout(specs, *layout(specs), sum(s.nbytes for s in specs))
 
 
 def check_frame(spec: TensorSpec, size: int) -> None:

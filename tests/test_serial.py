@@ -4,7 +4,7 @@ import msgpack
 import pytest
 import torch
 
-from planes.serial import PACK_ALIGN, PACK_LIMIT, DTYPES, PROTOCOL_VERSION, MessageError, decode, encode
+from planes.serial import PACK_ALIGN, PACK_LIMIT, DTYPES, PROTOCOL_VERSION, MessageError, decode, decode_head, encode
 from dvla.envs import make_env
 from dvla.config import EnvConfig
 from dvla.policy import PolicySpec, build_policy
@@ -112,3 +112,20 @@ def test_encode_refuses_what_it_cannot_send():
         encode("x", {"a": [1, 2]})
     with pytest.raises(ValueError, match="unsupported dtype"):
         encode("x", {"a": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_validated_tensor_lists_are_reused_but_never_across_types():
+    """The receiver keeps the validation of a tensor list it has seen (a sender repeats it
+    message after message); the key is the list's exact bytes, so a shape of ``[True, 2]``
+    is not taken for a known ``[1, 2]``, and a rejected list is rejected every time."""
+    good = [envelope(tensors=[["a", "float32", [1, 2], 8]]), b"\x00" * 8]
+    _, _, first = decode(good)
+    _, _, again = decode(good)
+    assert torch.equal(first["a"], again["a"]) and first["a"].shape == (1, 2)
+    assert decode_head(good[0])[2] is decode_head(good[0])[2]  # the same validated specs
+    for _ in range(2):
+        with pytest.raises(MessageError) as info:
+            decode([envelope(tensors=[["a", "float32", [True, 2], 8]]), b"\x00" * 8])
+        assert info.value.reason == "bad_tensor" and "bad shape" in str(info.value)
+    with pytest.raises(MessageError, match="oversized"):  # the limit is checked per call, cached or not
+        decode(good, max_bytes=7)
