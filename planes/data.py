@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import datetime
+import glob
 import logging
 import os
 import platform
@@ -120,6 +121,32 @@ def keep_freed_memory_for_reuse() -> bool:
     return _heap_kept
 
 
+def remove_stale_ipc_files(directory: str | None = None) -> list[str]:
+    """Delete the ``ipc://`` socket files that receivers of processes no longer alive left
+    behind (a killed run cannot remove its own); returns the paths removed. A receiver's
+    file is named ``dvla-<pid>-<random>.sock``; files of live processes and of other users
+    are left alone."""
+    directory = directory or tempfile.gettempdir()
+    removed = []
+    for path in glob.glob(os.path.join(directory, "dvla-*-*.sock")):
+        pid = os.path.basename(path).split("-")[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # no such process: the file is stale
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:  # another receiver removed it first
+                pass
+        except (PermissionError, FileNotFoundError):  # alive under another user, or already gone
+            pass
+    return removed
+
+
 def _hostname() -> str:
     return os.environ.get("DVLA_FAKE_HOSTNAME") or socket.gethostname()
 
@@ -155,6 +182,8 @@ class TrajectoryReceiver:
                 self._auth.configure_curve(domain="*", location=self.cfg.curve_authorized_dir)
         self.endpoints: dict[str, str] = {"host": _hostname()}
         self._ipc_paths: list[str] = []
+        if self.cfg.transport in ("auto", "ipc"):
+            remove_stale_ipc_files()
         # Data and heartbeats arrive on separate sockets so that liveness is still seen
         # while the data socket is deliberately left unread (backpressure).
         self._sock = self._bind("", self.cfg.recv_hwm)
@@ -176,7 +205,7 @@ class TrajectoryReceiver:
             sock.curve_publickey = self.public_key
             sock.curve_server = True
         if self.cfg.transport in ("auto", "ipc"):
-            path = os.path.join(tempfile.gettempdir(), f"dvla-{uuid.uuid4().hex[:12]}.sock")
+            path = os.path.join(tempfile.gettempdir(), f"dvla-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
             sock.bind(f"ipc://{path}")
             self.endpoints[prefix + "ipc"] = f"ipc://{path}"
             self._ipc_paths.append(path)

@@ -4,6 +4,8 @@ import datetime
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import msgpack
@@ -13,7 +15,8 @@ import zmq
 import zmq.auth
 from torch.distributed import TCPStore
 
-from planes.data import BackpressureTimeout, DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
+from planes.data import (BackpressureTimeout, DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints,
+                         remove_stale_ipc_files)
 from planes.serial import encode
 
 CTX = mp.get_context("spawn")
@@ -237,9 +240,6 @@ def test_receive_buffers_are_reused_instead_of_faulting_in_anew():
     ``keep_receive_buffers`` (the default) ZeroMQ's receive buffers come from memory that is
     already mapped; with malloc's defaults their pages fault in again, message after message
     (each mode in its own process: the setting is process-wide)."""
-    import subprocess
-    import sys
-
     def faults_per_message(mode: str) -> float:
         out = subprocess.run([sys.executable, "-c", _REUSE_PROBE, mode], capture_output=True, text=True,
                              check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -265,3 +265,22 @@ def test_a_full_receive_queue_hands_over_as_soon_as_the_consumer_takes():
         for i in range(200):
             assert rx.get(timeout=10).seq == 5 + i
         assert time.monotonic() - t0 < 0.4  # here: ~0.04 s now, ~0.8 s with the old 20 ms waits
+
+
+def test_socket_files_of_dead_processes_are_removed(tmp_path):
+    """A killed run cannot remove its ipc:// socket files; the next receiver removes those
+    whose process is gone and leaves those of live processes alone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"dvla-{dead.pid}-0123456789ab.sock"
+    live = tmp_path / f"dvla-{os.getppid()}-0123456789ab.sock"
+    other = tmp_path / "dvla-bench-0123.sock"
+    for f in (stale, live, other):
+        f.write_bytes(b"")
+    assert remove_stale_ipc_files(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()
+    cfg = DataPlaneConfig(transport="ipc")
+    with TrajectoryReceiver(cfg) as rx:  # its own file is named after this process
+        path = rx.endpoints["ipc"][len("ipc://"):]
+        assert os.path.basename(path).startswith(f"dvla-{os.getpid()}-") and os.path.exists(path)
+    assert not os.path.exists(path)
