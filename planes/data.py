@@ -267,7 +267,7 @@ class TrajectoryReceiver:
         head = sock.recv(flags=zmq.NOBLOCK, copy=False)
         more = head.more
         try:
-            kind, meta, specs, (_, packed_size, offsets, _) = decode_head(head.buffer, self.cfg.max_message_bytes)
+            kind, meta, (specs, packed_size, offsets, _) = decode_head(head.buffer, self.cfg.max_message_bytes)
             out: list[Tensor | None] = [None] * len(specs)
             if packed_size is not None:
                 if not more:
@@ -450,8 +450,9 @@ class TrajectorySender:
         seq = self.seq
         meta.update(sender=self.sender_id, seq=seq)
         # Large tensors' frames go zero-copy and tracked (send_multipart(track=True) would
-        # only track the last part); the packed frame of small ones is already a copy. The tensors whose memory the
-        # tracked frames point into stay referenced until ZeroMQ is done with them.
+        # only track the last part); the packed frame of small ones is a copy already. The
+        # tensors whose memory the tracked frames point into stay referenced until ZeroMQ
+        # is done with them.
         frames = [zmq.Frame(f, track=True) if isinstance(f, memoryview) and len(f) >= PACK_LIMIT else f
                   for f in encode(kind, tensors, meta)]
         tracked = [f for f in frames if isinstance(f, zmq.Frame)]

@@ -103,8 +103,8 @@ def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = 
         specs.append([name, _DTYPE_NAMES[t.dtype], list(t.shape), nbytes])
         if nbytes:
             (small if nbytes < PACK_LIMIT else large).append(_bytes_of(t))
-        elif nbytes < PACK_LIMIT:
-            small.append(None)
+        else:
+            small.append(None)  # takes no room in the packed frame
     frames: list[Any] = [msgpack.packb({"v": PROTOCOL_VERSION, "kind": kind, "meta": meta or {}, "tensors": specs},
                                        use_bin_type=True)]
     if small:
@@ -161,7 +161,7 @@ def decode(frames: list[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, 
     """Validate and unpack a message: ``(kind, meta, tensors)``. Raises :class:`MessageError`."""
     if not frames:
         raise MessageError("bad_envelope", "empty message")
-    kind, meta, specs, (_, packed_size, offsets, _) = decode_head(_buffer(frames[0]), max_bytes)
+    kind, meta, (specs, packed_size, offsets, _) = decode_head(_buffer(frames[0]), max_bytes)
     expected = (packed_size is not None) + sum(off is None for off in offsets)
     if len(frames) != expected + 1:
         raise MessageError("bad_frames", f"{len(specs)} tensors need {expected} data frames, "
@@ -186,8 +186,8 @@ def decode_envelope(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str,
     """Validate frame 0 alone: ``(kind, meta, specs)``, each spec's byte count checked against
     its dtype and shape and their sum against ``max_bytes``, so that a receiver knows how big
     every data frame must be before reading it. Raises :class:`MessageError`."""
-    kind, meta, specs, _ = decode_head(head, max_bytes)
-    return kind, meta, list(specs)
+    kind, meta, lay = decode_head(head, max_bytes)
+    return kind, meta, list(lay.specs)
 
 
 class Layout(NamedTuple):
@@ -205,9 +205,9 @@ _LAYOUTS: dict[bytes, Layout | MessageError] = {}
 _LAYOUTS_MAX = 256
 
 
-def decode_head(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, dict[str, Any], tuple[TensorSpec, ...], Layout]:
-    """:func:`decode_envelope` plus the message's :class:`Layout`; the specs are shared with
-    later messages that declare the same tensors (do not modify them)."""
+def decode_head(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, dict[str, Any], Layout]:
+    """:func:`decode_envelope` with the specs in the message's :class:`Layout`, which is
+    shared with later messages that declare the same tensors (do not modify it)."""
     if memoryview(head).nbytes > _MAX_ENVELOPE:
         raise MessageError("oversized", f"envelope of {memoryview(head).nbytes} bytes exceeds {_MAX_ENVELOPE}")
     try:
@@ -243,7 +243,7 @@ def decode_head(head: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, dic
         raise MessageError(known.reason, known.detail)
     if known.nbytes > max_bytes:
         raise MessageError("oversized", f"message exceeds {max_bytes} bytes")
-    return kind, meta, known.specs, known
+    return kind, meta, known
 
 
 def _check_specs(raw_specs: list) -> Layout:

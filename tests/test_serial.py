@@ -122,7 +122,7 @@ def test_validated_tensor_lists_are_reused_but_never_across_types():
     _, _, first = decode(good)
     _, _, again = decode(good)
     assert torch.equal(first["a"], again["a"]) and first["a"].shape == (1, 2)
-    assert decode_head(good[0])[2] is decode_head(good[0])[2]  # the same validated specs
+    assert decode_head(good[0])[2] is decode_head(good[0])[2]  # the same validated layout
     for _ in range(2):
         with pytest.raises(MessageError) as info:
             decode([envelope(tensors=[["a", "float32", [True, 2], 8]]), b"\x00" * 8])
