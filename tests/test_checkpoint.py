@@ -402,14 +402,22 @@ def _restore_training(mgr, model, opt):
                          c.manifest["optim"])
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_resume_is_bit_identical(tmp_path, name):
-    make_opt = OPTIMIZERS[name]
+def _reference_run(tmp_path, make_opt):
+    """Train 3 steps, checkpoint, train 3 more: the model, its optimizer, the checkpoint
+    manager, and a copy of the optimizer state as saved."""
     ref_model = make_model(0)
     ref_opt = make_opt(ref_model.parameters())
     train(ref_model, ref_opt, 3, 0)
     mgr = _save_training(tmp_path, ref_model, ref_opt)
+    saved = {k: v.clone() for k, v in optimizer_state(ref_opt)[0].items()}
     train(ref_model, ref_opt, 3, 3)
+    return ref_model, ref_opt, mgr, saved
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_resume_is_bit_identical(tmp_path, name):
+    make_opt = OPTIMIZERS[name]
+    ref_model, ref_opt, mgr, _ = _reference_run(tmp_path, make_opt)
 
     model = make_model(1)  # different init: everything must come from the checkpoint
     opt = make_opt(model.parameters())
@@ -426,12 +434,7 @@ def test_resume_is_bit_identical(tmp_path, name):
 @pytest.mark.parametrize("name", ["adam", "adamw"])
 def test_restore_into_preallocated_state_keeps_memory(tmp_path, name):
     make_opt = OPTIMIZERS[name]
-    ref_model = make_model(0)
-    ref_opt = make_opt(ref_model.parameters())
-    train(ref_model, ref_opt, 3, 0)
-    mgr = _save_training(tmp_path, ref_model, ref_opt)
-    saved = {k: v.clone() for k, v in optimizer_state(ref_opt)[0].items()}
-    train(ref_model, ref_opt, 3, 3)
+    ref_model, ref_opt, mgr, saved = _reference_run(tmp_path, make_opt)
 
     model = make_model(1)
     opt = make_opt(model.parameters())
