@@ -642,10 +642,12 @@ def test_adopt_optimizer_moves_existing_state_bit_for_bit():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, amsgrad=True)
     _train(ref_model, ref_opt, 1, data)
     _train(model, opt, 1, data)
-    old = {id(s["exp_avg"]) for s in opt.state.values()}
+    old = [s["exp_avg"] for s in opt.state.values()]  # kept alive: their memory cannot be reused
     pool = PersistentPool()
     pool.adopt_optimizer(opt)
-    assert not old & {id(s["exp_avg"]) for s in opt.state.values()}
+    new = [s["exp_avg"] for s in opt.state.values()]
+    assert not {t.data_ptr() for t in old} & {t.data_ptr() for t in new}  # moved into the pool's memory
+    assert all(torch.equal(a, b) for a, b in zip(old, new))
     _train(ref_model, ref_opt, 3, data[1:] + data[:1])
     _train(model, opt, 3, data[1:] + data[:1])
     for p_ref, p in zip(ref_model.parameters(), model.parameters()):
