@@ -281,7 +281,7 @@ class DataPlaneConfig:
     """A sender unheard for this long is declared dead."""
     keep_receive_buffers: bool = True
     """On Linux with glibc, let the receiving process keep freed memory for reuse: malloc's
-    mmap threshold goes to 32 MiB and its trim threshold to 256 MiB (``mallopt``, process
+    mmap threshold goes to 32 MiB and its trim threshold to 32 MiB (``mallopt``, process
     wide, once), so ZeroMQ's multi-MB receive buffers come from memory already mapped
     instead of fresh pages that fault in on every message. False leaves malloc alone."""
     curve: bool = False

@@ -95,13 +95,13 @@ class BackpressureTimeout(TimeoutError):
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 _HEAP_MMAP_THRESHOLD = 32 << 20  # glibc's largest allowed value on 64-bit
-_HEAP_TRIM_THRESHOLD = 256 << 20
+_HEAP_TRIM_THRESHOLD = 32 << 20
 _heap_kept = False
 
 
 def keep_freed_memory_for_reuse() -> bool:
     """Tell glibc's malloc to serve blocks below 32 MiB from its heaps and to keep up to
-    256 MiB of freed memory at their tops, for this whole process. True if it took effect
+    32 MiB of freed memory at their tops, for this whole process. True if it took effect
     (now or before); False where the C library is not glibc.
 
     Why: libzmq allocates each received message with malloc, in its I/O thread. With
