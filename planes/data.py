@@ -44,6 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
@@ -55,20 +56,20 @@ from torch import Tensor
 
 from dvla.config import DataPlaneConfig, validate  # noqa: F401  (DataPlaneConfig is public here)
 from planes.serial import (
-    PACK_LIMIT,
     MessageError,
     as_tensor,
     check_frame,
     check_packed,
     decode_head,
     encode,
+    packed_tensor,
 )
 
 log = logging.getLogger("dvla.planes.data")
 
 HEARTBEAT_KIND = "_hb"
 _DISCARD = bytearray()  # recv_into an empty buffer drops a frame
-_POLLIN = int(zmq.POLLIN)
+_RECV_WAIT_MS = 50  # the receiver thread's longest wait for data before its periodic checks
 _SNDMORE = int(zmq.SNDMORE)  # a plain int: combining flag enums per frame costs more than the send
 
 
@@ -162,7 +163,13 @@ class TrajectoryReceiver:
             keep_freed_memory_for_reuse()
         self.ctx = ctx or zmq.Context.instance()
         self.counters = Counters()
-        self._queue: queue.Queue[Message] = queue.Queue(maxsize=self.cfg.recv_queue)
+        # The bounded receive queue, built from two C-implemented queues (queue.Queue's
+        # Python-level locking costs several times more per message): decoded messages,
+        # and one token per free slot, taken by the receiver thread before it receives.
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._room: queue.SimpleQueue[None] = queue.SimpleQueue()
+        for _ in range(self.cfg.recv_queue):
+            self._room.put(None)
         self._peers: dict[str, float] = {}
         self._dead: dict[str, float] = {}
         self._sent: dict[str, int] = {}  # per sender: messages it says it has sent
@@ -187,6 +194,7 @@ class TrajectoryReceiver:
         # Data and heartbeats arrive on separate sockets so that liveness is still seen
         # while the data socket is deliberately left unread (backpressure).
         self._sock = self._bind("", self.cfg.recv_hwm)
+        self._sock.setsockopt(zmq.RCVTIMEO, _RECV_WAIT_MS)
         self._hb_sock = self._bind("hb_", 64)
         if self.public_key is not None:
             self.endpoints["curve_public_key"] = self.public_key.decode()
@@ -216,10 +224,7 @@ class TrajectoryReceiver:
 
     # -- background thread ---------------------------------------------------------------
     def _run(self) -> None:
-        data_poll = zmq.Poller()
-        data_poll.register(self._sock, zmq.POLLIN)
-        data_poll.register(self._hb_sock, zmq.POLLIN)
-        held: Message | None = None  # decoded, waiting for room in the queue
+        room = False  # holds a free slot of the receive queue
         next_check = 0.0
         try:
             while not self._stop.is_set():
@@ -228,23 +233,23 @@ class TrajectoryReceiver:
                     self._drain_heartbeats()
                     self._check_peers()
                     next_check = now + 0.05
-                if held is not None:
+                if not room:
                     try:  # wakes as soon as the consumer takes a message
-                        self._queue.put(held, timeout=0.02)
-                        held = None
-                    except queue.Full:
+                        self._room.get(timeout=0.02)
+                        room = True
+                    except queue.Empty:
                         continue  # backpressure: the data socket stays unread, liveness is still checked
-                # Ask before receiving: a receive that finds nothing raises zmq.Again, and
-                # raising costs more than the question (once per message and more).
-                if not self._sock.getsockopt(zmq.EVENTS) & _POLLIN:
-                    data_poll.poll(50)
-                    continue
+                # A blocking receive (at most _RECV_WAIT_MS, then zmq.Again): libzmq waits
+                # for a whole message itself. Polling first woke this thread ~3.5 times per
+                # 3 MB message on tcp (libzmq's internal commands signal the socket too),
+                # each wake-up a trip through Python.
                 try:
-                    held = self._receive(self._sock)
+                    msg = self._receive(self._sock, 0)
                 except zmq.Again:
-                    pass
-            if held is not None:
-                self.counters.dropped["shutdown"] += 1
+                    continue
+                if msg is not None:
+                    self._queue.put(msg)
+                    room = False
         except BaseException as exc:  # surfaced to the consumer by get()
             if not self._stop.is_set():
                 self._error = exc
@@ -257,14 +262,15 @@ class TrajectoryReceiver:
             except zmq.Again:
                 return
 
-    def _receive(self, sock: zmq.Socket) -> Message | None:
-        """Receive and decode the next message; raises ``zmq.Again`` when none is waiting.
+    def _receive(self, sock: zmq.Socket, flags: int = zmq.NOBLOCK) -> Message | None:
+        """Receive and decode the next message; raises ``zmq.Again`` when none is waiting
+        (``flags=0``: none came within the socket's ``RCVTIMEO``).
 
         The envelope is checked before any data frame is read, so each frame's size is
         known: the packed frame of small tensors is received straight into one fresh
         buffer (writable, owned by this message's tensors), large tensors are taken
         zero-copy from ZeroMQ."""
-        head = sock.recv(flags=zmq.NOBLOCK, copy=False)
+        head = sock.recv(flags=flags, copy=False)
         more = head.more
         try:
             kind, meta, (specs, packed_size, offsets, _) = decode_head(head.buffer, self.cfg.max_message_bytes)
@@ -281,7 +287,7 @@ class TrajectoryReceiver:
                 check_packed(packed_size, size)
                 for i, (spec, off) in enumerate(zip(specs, offsets)):
                     if off is not None:
-                        out[i] = as_tensor(packed, spec, off)
+                        out[i] = packed_tensor(packed, spec, off)
             for i, (spec, off) in enumerate(zip(specs, offsets)):
                 if off is None:
                     if not more:
@@ -332,9 +338,11 @@ class TrajectoryReceiver:
         if self._error is not None:
             raise RuntimeError("data plane receiver thread failed") from self._error
         try:
-            return self._queue.get(timeout=timeout)
+            msg = self._queue.get(timeout=timeout)
         except queue.Empty:
             return None
+        self._room.put(None)
+        return msg
 
     def depth(self) -> int:
         """Decoded messages waiting for the consumer."""
@@ -449,13 +457,13 @@ class TrajectorySender:
         meta = dict(meta or {})
         seq = self.seq
         meta.update(sender=self.sender_id, seq=seq)
-        # Large tensors' frames go zero-copy and tracked (send_multipart(track=True) would
-        # only track the last part); the packed frame of small ones is a copy already. The
-        # tensors whose memory the tracked frames point into stay referenced until ZeroMQ
-        # is done with them.
-        frames = [zmq.Frame(f, track=True) if isinstance(f, memoryview) and len(f) >= PACK_LIMIT else f
-                  for f in encode(kind, tensors, meta)]
-        tracked = [f for f in frames if isinstance(f, zmq.Frame)]
+        # Large tensors' frames go zero-copy; the small ones' frames are copies. ZeroMQ is
+        # done with a zero-copy frame when pyzmq drops its last reference to the frame's
+        # memoryview (pyzmq holds it until libzmq frees the message), so a weak reference
+        # per frame tells when: cheaper than a MessageTracker, which builds a
+        # threading.Event per frame. The memoryviews keep the tensors' memory alive.
+        frames = encode(kind, tensors, meta)
+        zero_copy = [weakref.ref(f) for f in frames if type(f) is memoryview]
         try:  # blocks inside libzmq (GIL released) while the receiver applies backpressure
             for f in frames[:-1]:  # send_multipart, without its per-frame type checks and flag enums
                 self._data.send(f, _SNDMORE, copy=False)
@@ -465,30 +473,42 @@ class TrajectorySender:
             raise BackpressureTimeout(
                 f"data plane: receiver at {self.address} took nothing for {self.cfg.send_timeout_s}s"
             ) from None
-        if tracked:
-            self._pending.append((zmq.MessageTracker(*tracked), tensors, on_done))
+        del frames
+        if zero_copy:
+            self._pending.append((zero_copy, on_done))
         elif on_done is not None:
             on_done()
         self.seq += 1
         self.counters.sent += 1
         return seq
 
+    @staticmethod
+    def _released(refs: list[weakref.ref]) -> bool:
+        for r in refs:
+            if r() is not None:
+                return False
+        return True
+
     def _reap(self) -> None:
-        while self._pending and self._pending[0][0].done:
+        while self._pending and self._released(self._pending[0][0]):
             self._done(self._pending.popleft())
 
     @staticmethod
     def _done(entry) -> None:
-        if entry[2] is not None:
-            entry[2]()
+        if entry[1] is not None:
+            entry[1]()
 
     def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until ZeroMQ no longer needs any tensor passed to ``send``."""
+        """Wait until ZeroMQ no longer needs any tensor passed to ``send``; raises
+        ``zmq.NotDone`` after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while self._pending:
-            tracker = self._pending[0][0]
-            tracker.wait(max(0.0, deadline - time.monotonic()))
-            self._done(self._pending.popleft())
+            if self._released(self._pending[0][0]):
+                self._done(self._pending.popleft())
+            elif time.monotonic() > deadline:
+                raise zmq.NotDone(f"data plane: ZeroMQ still holds {len(self._pending)} messages' tensors")
+            else:
+                time.sleep(0.0005)
 
     def close(self) -> None:
         self._stop.set()

@@ -7,6 +7,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from dvla import presets  # noqa: E402
+from planes.serial import DTYPES  # noqa: E402
 
 
 @pytest.fixture
@@ -19,3 +20,22 @@ def debug_cfg(tmp_path):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def every_dtype_tensors() -> dict[str, torch.Tensor]:
+    """One tensor of each dtype the data plane carries, plus an empty, a 0-d and a
+    non-contiguous one."""
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for name, dt in DTYPES.items():
+        if dt == torch.bool:
+            out[name] = torch.rand(3, 5, generator=g) > 0.5
+        elif dt.is_floating_point:
+            out[name] = torch.randn(2, 3, 4, generator=g).to(dt)
+        else:
+            out[name] = torch.randint(-100 if dt != torch.uint8 else 0, 100, (7,), generator=g).to(dt)
+    out["empty"] = torch.zeros(0, 4)
+    out["scalar"] = torch.tensor(3.5)
+    out["strided"] = torch.arange(12.0).view(3, 4).t()  # non-contiguous
+    return out

@@ -140,6 +140,45 @@ def test_received_tensors_are_writable_and_never_shared_between_messages():
         assert len(pointers) >= 2 * len(msgs)  # large tensor + small-tensor buffer, per message
 
 
+def test_every_dtype_crosses_a_real_socket_bit_exact(every_dtype_tensors):
+    """Small tensors are rebuilt from the packed frame through numpy (bfloat16 by way of
+    int16), large ones from their own frames: every dtype, an empty, a 0-d and a
+    non-contiguous tensor come out with their bytes, dtype and shape."""
+    tensors = dict(every_dtype_tensors, big=torch.arange(40000, dtype=torch.float32))  # 160 KB: own frame
+    cfg = DataPlaneConfig(transport="ipc")
+    with TrajectoryReceiver(cfg) as rx, TrajectorySender(rx.endpoints, cfg, sender_id="s") as tx:
+        tx.send("rollout", tensors)
+        got = rx.get(timeout=10).tensors
+    assert list(got) == list(tensors)
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), t.contiguous().reshape(-1).view(torch.uint8)), k
+
+
+def test_on_done_waits_until_zeromq_has_let_go_of_the_tensors(tmp_path):
+    """A message queued for a receiver that is not there yet still uses the tensor's
+    memory: no ``on_done``, and ``flush`` times out. Once a receiver binds and takes the
+    message, ``on_done`` runs (and the bytes it got are the ones sent)."""
+    endpoints = {"host": "elsewhere", "ipc": f"ipc://{tmp_path}/rx.sock", "hb_ipc": f"ipc://{tmp_path}/hb.sock"}
+    x = torch.full((1 << 20,), 7, dtype=torch.uint8)  # 1 MiB: a zero-copy frame
+    done = []
+    with TrajectorySender(endpoints, DataPlaneConfig(transport="ipc"), sender_id="s") as tx:
+        tx.send("rollout", {"x": x}, on_done=lambda: done.append(1))
+        with pytest.raises(zmq.NotDone):
+            tx.flush(timeout_s=0.3)
+        assert done == []
+        pull = zmq.Context.instance().socket(zmq.PULL)
+        pull.bind(endpoints["ipc"])
+        frames = pull.recv_multipart()
+        tx.flush(timeout_s=10)
+        assert done == [1]
+        assert bytes(frames[-1]) == bytes([7]) * (1 << 20)
+        small_done = []
+        tx.send("rollout", {"y": torch.ones(4)}, on_done=lambda: small_done.append(1))
+        assert small_done == [1]  # nothing zero-copy: done at once
+        pull.close(linger=0)
+
+
 def test_backpressure_blocks_sender_with_bounded_buffering():
     cfg = DataPlaneConfig(transport="ipc", send_hwm=1, recv_hwm=1, recv_queue=1, send_timeout_s=2.0,
                           heartbeat_s=0.2, peer_timeout_s=1.0)

@@ -4,7 +4,7 @@ import msgpack
 import pytest
 import torch
 
-from planes.serial import PACK_ALIGN, PACK_LIMIT, DTYPES, PROTOCOL_VERSION, MessageError, decode, decode_head, encode
+from planes.serial import PACK_ALIGN, PACK_LIMIT, PROTOCOL_VERSION, MessageError, decode, decode_head, encode
 from dvla.envs import make_env
 from dvla.config import EnvConfig
 from dvla.policy import PolicySpec, build_policy
@@ -12,24 +12,8 @@ from dvla.rollout import collect_episodes
 from dvla.types import RolloutBatch
 
 
-def sample_tensors():
-    g = torch.Generator().manual_seed(0)
-    out = {}
-    for name, dt in DTYPES.items():
-        if dt == torch.bool:
-            out[name] = torch.rand(3, 5, generator=g) > 0.5
-        elif dt.is_floating_point:
-            out[name] = torch.randn(2, 3, 4, generator=g).to(dt)
-        else:
-            out[name] = torch.randint(-100 if dt != torch.uint8 else 0, 100, (7,), generator=g).to(dt)
-    out["empty"] = torch.zeros(0, 4)
-    out["scalar"] = torch.tensor(3.5)
-    out["strided"] = torch.arange(12.0).view(3, 4).t()  # non-contiguous
-    return out
-
-
-def test_round_trip_bit_exact_all_dtypes():
-    tensors = sample_tensors()
+def test_round_trip_bit_exact_all_dtypes(every_dtype_tensors):
+    tensors = every_dtype_tensors
     frames = encode("test", tensors, {"seq": 7, "rank": 1})
     kind, meta, got = decode([bytes(f) for f in frames])
     assert kind == "test" and meta == {"seq": 7, "rank": 1}
