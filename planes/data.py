@@ -62,7 +62,6 @@ from planes.serial import (
     check_packed,
     decode_head,
     encode,
-    packed_tensor,
 )
 
 log = logging.getLogger("dvla.planes.data")
@@ -242,7 +241,13 @@ class TrajectoryReceiver:
                 # A blocking receive (at most _RECV_WAIT_MS, then zmq.Again): libzmq waits
                 # for a whole message itself. Polling first woke this thread ~3.5 times per
                 # 3 MB message on tcp (libzmq's internal commands signal the socket too),
-                # each wake-up a trip through Python.
+                # each wake-up a trip through Python. But asking EVENTS first still matters:
+                # it makes libzmq process its pending commands, among them "this sender's
+                # pipe has data again". A receive that finds a message waiting returns it
+                # without processing them (it does so once per 100 messages), and meanwhile
+                # fair queueing only rotates over the senders it knows to have data: under
+                # backpressure one sender was starved for seconds.
+                self._sock.getsockopt(zmq.EVENTS)
                 try:
                     msg = self._receive(self._sock, 0)
                 except zmq.Again:
@@ -287,7 +292,7 @@ class TrajectoryReceiver:
                 check_packed(packed_size, size)
                 for i, (spec, off) in enumerate(zip(specs, offsets)):
                     if off is not None:
-                        out[i] = packed_tensor(packed, spec, off)
+                        out[i] = as_tensor(packed, spec, off)
             for i, (spec, off) in enumerate(zip(specs, offsets)):
                 if off is None:
                     if not more:

@@ -179,6 +179,37 @@ def test_on_done_waits_until_zeromq_has_let_go_of_the_tensors(tmp_path):
         pull.close(linger=0)
 
 
+def _flood_proc(endpoints: dict, name: str, n: int) -> None:
+    x = {"image": torch.zeros(256 << 10, dtype=torch.uint8), "step": torch.zeros(1)}
+    with TrajectorySender(endpoints, DataPlaneConfig(transport="ipc", send_timeout_s=30), sender_id=name) as tx:
+        for i in range(n):
+            tx.send("rollout", x, {"i": i})
+        tx.flush()
+
+
+def test_a_slow_consumer_takes_from_every_sender_in_turn():
+    """Two senders flood a consumer that is slower than both (backpressure all the way):
+    each must get its turn. (Receiving without letting libzmq process its commands first
+    left the second sender's pipe off the fair-queue rotation: the first 60 messages came
+    nearly all from one sender, and the other waited seconds in ``send``.)"""
+    cfg = DataPlaneConfig(transport="ipc", recv_queue=2)
+    with TrajectoryReceiver(cfg) as rx:
+        procs = [CTX.Process(target=_flood_proc, args=(rx.endpoints, f"s{k}", 60)) for k in range(2)]
+        for p in procs:
+            p.start()
+        order = []
+        while len(order) < 120:
+            msg = rx.get(timeout=30)
+            assert msg is not None
+            order.append(msg.sender)
+            time.sleep(0.02)
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    first = order[:60]  # both senders still had messages to send
+    assert min(first.count("s0"), first.count("s1")) >= 20, first
+
+
 def test_backpressure_blocks_sender_with_bounded_buffering():
     cfg = DataPlaneConfig(transport="ipc", send_hwm=1, recv_hwm=1, recv_queue=1, send_timeout_s=2.0,
                           heartbeat_s=0.2, peer_timeout_s=1.0)

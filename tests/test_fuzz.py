@@ -354,7 +354,7 @@ def test_mutated_envelopes_never_crash_the_decoder(base, seed):
 
 @HEAVY
 @given(valid_messages(), seeds)
-@pytest.mark.filterwarnings("ignore:The given buffer is not writable")
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
 def test_whole_messages_decode_or_are_rejected(frames, seed):
     """Envelope and data frames together: frames dropped, added, resized, emptied or
     swapped, envelopes mutated or with a broken field. What decodes holds exactly the bytes

@@ -113,3 +113,20 @@ def test_validated_tensor_lists_are_reused_but_never_across_types():
         assert info.value.reason == "bad_tensor" and "bad shape" in str(info.value)
     with pytest.raises(MessageError, match="oversized"):  # the limit is checked per call, cached or not
         decode(good, max_bytes=7)
+
+
+def test_the_encoder_reuses_its_plan_but_the_bytes_are_what_msgpack_makes():
+    """The sender keeps the envelope bytes and packed layout of a tensor list (same names,
+    dtypes and shapes); the envelope is still exactly ``msgpack.packb`` of the map, and a
+    change of shape or dtype makes a new plan."""
+    for shape, dtype in [((2, 3), torch.float32), ((2, 3), torch.float32), ((3, 2), torch.float32),
+                         ((2, 3), torch.int16)]:
+        x = torch.arange(6).reshape(shape).to(dtype)
+        meta = {"seq": 4, "nested": {"a": [1, 2.5, None]}}
+        frames = encode("roll", {"x": x, "big": torch.zeros(PACK_LIMIT, dtype=torch.uint8)}, meta)
+        specs = [["x", str(dtype).removeprefix("torch."), list(shape), 6 * x.element_size()],
+                 ["big", "uint8", [PACK_LIMIT], PACK_LIMIT]]
+        assert frames[0] == msgpack.packb({"v": PROTOCOL_VERSION, "kind": "roll", "meta": meta, "tensors": specs},
+                                          use_bin_type=True)
+        _, got_meta, got = decode([bytes(f) for f in frames])
+        assert got_meta == meta and torch.equal(got["x"], x) and got["x"].dtype == dtype
