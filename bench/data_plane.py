@@ -4,16 +4,19 @@ One sender process pushes realistic trajectory chunks (64x64 RGB x 32 steps x 8 
 proprio, actions, log-probs, rewards, masks and versions: ~3.2 MB) to this process over
 ipc:// (or tcp:// on loopback), alternating in blocks between
 
-* dvla: ``TrajectorySender.send`` -> msgpack envelope + zero-copy tracked tensor frames ->
-  ``TrajectoryReceiver`` (strict decode, ``torch.frombuffer``, bounded queue) -> consumer;
+* dvla: ``TrajectorySender.send`` -> msgpack envelope, packed frame of the small tensors,
+  zero-copy frame of the image -> ``TrajectoryReceiver`` (strict decode, tensors as views of
+  the received buffers, bounded queue) -> consumer;
 * raw: a PUSH socket sending the same number of bytes as one zero-copy frame to a PULL
   socket that only receives them.
 
 Both paths live in the same two processes for the whole run and each block starts only when
-the receiver asks for it, so both see the same machine state. Prints throughput and the
-median over blocks of the ratio dvla/raw (target >= 0.9). The receiver keeps freed receive
-buffers mapped (``data_plane.keep_receive_buffers``, process-wide, so the raw path gets it
-too); ``--default-malloc`` runs both paths with glibc's defaults instead.
+the receiver asks for it, so both see the same machine state; the order of the two alternates
+from pair to pair. Prints throughput, the median over pairs of the ratio dvla/raw (target
+>= 0.9), and the CPU time each process spent per message (``getrusage``: all its threads,
+ZeroMQ's I/O threads included). The receiver keeps freed receive buffers mapped
+(``data_plane.keep_receive_buffers``, process-wide, so the raw path gets it too);
+``--default-malloc`` runs both paths with glibc's defaults instead.
 
     python bench/data_plane.py --messages 200 --blocks 10 --transport ipc
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -61,14 +65,23 @@ def _sender(endpoints, raw_address, transport, n, blocks, go):
     with TrajectorySender(endpoints, DataPlaneConfig(transport=transport), sender_id="bench") as tx:
         for _ in range(2 * blocks + 2):
             mode = go.recv()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             for i in range(n):
                 if mode == "raw":
                     raw.send(payload, copy=False)
                 else:
                     tx.send("rollout", chunk, {"i": i})
+            go.send(_cpu_us(before, n))
         tx.flush()
     raw.close(linger=-1)
     ctx.term()
+
+
+def _cpu_us(before, n: int) -> tuple[float, float]:
+    """User and system CPU time of this whole process (all its threads, ZeroMQ's
+    included) since ``before``, in microseconds per message."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return (now.ru_utime - before.ru_utime) / n * 1e6, (now.ru_stime - before.ru_stime) / n * 1e6
 
 
 def main() -> None:
@@ -94,6 +107,8 @@ def main() -> None:
         target=_sender, args=(rx.endpoints, raw_address, args.transport, n, args.blocks, go_child))
     proc.start()
 
+    cpu = {"raw": [], "dvla": []}  # per block: receiver user, receiver sys, sender user, sender sys
+
     def block(mode: str) -> float:
         go.send(mode)
         if mode == "raw":
@@ -101,13 +116,16 @@ def main() -> None:
         else:
             rx.get(timeout=60).tensors["image"][0, 0, 0, 0, 0].item()
         t0 = time.perf_counter()  # from the first message on: excludes the go round trip
+        before = resource.getrusage(resource.RUSAGE_SELF)
         for _ in range(n - 1):
             if mode == "raw":
                 raw.recv(copy=False).buffer[0]
             else:
                 msg = rx.get(timeout=60)
                 msg.tensors["image"][0, 0, 0, 0, 0].item()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        cpu[mode].append((*_cpu_us(before, n - 1), *go.recv()))
+        return elapsed
 
     block("raw"), block("dvla")  # warm-up
     times = {"raw": [], "dvla": []}
@@ -127,6 +145,10 @@ def main() -> None:
         med = statistics.median(times[name])
         print(f"{name:5s} median {mb / med:8.1f} MB/s {(n - 1) / med:7.1f} msg/s   best {mb / min(times[name]):8.1f} MB/s")
     print(f"ratio dvla/raw per block: {' '.join(f'{r:.2f}' for r in ratios)}")
+    for name in ("raw", "dvla"):
+        med = [statistics.median(c[k] for c in cpu[name][1:]) for k in range(4)]  # [0] was the warm-up
+        print(f"{name:5s} CPU per message (median of blocks): receiving process user {med[0]:4.0f} us "
+              f"sys {med[1]:4.0f} us, sending process user {med[2]:4.0f} us sys {med[3]:4.0f} us")
     print(f"ratio dvla/raw = {statistics.median(ratios):.3f} (median of blocks; target >= 0.9)")
 
 
