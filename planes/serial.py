@@ -58,7 +58,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 _ITEMSIZE = {v: torch.empty((), dtype=v).element_size() for v in DTYPES.values()}
-# numpy's dtype of the same item layout, to build small tensors through numpy (several
+# numpy's dtype of the same item layout: received tensors are built as numpy views (several
 # times cheaper per tensor than torch.frombuffer); bfloat16 goes as int16, then is viewed.
 _NUMPY_DTYPES = {v: numpy.dtype(k if k != "bfloat16" else "int16") for k, v in DTYPES.items()}
 _memmove = ctypes.memmove
