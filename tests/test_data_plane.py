@@ -179,9 +179,11 @@ def test_on_done_waits_until_zeromq_has_let_go_of_the_tensors(tmp_path):
         pull.close(linger=0)
 
 
-def _flood_proc(endpoints: dict, name: str, n: int) -> None:
+def _flood_proc(endpoints: dict, name: str, n: int, go) -> None:
     x = {"image": torch.zeros(256 << 10, dtype=torch.uint8), "step": torch.zeros(1)}
     with TrajectorySender(endpoints, DataPlaneConfig(transport="ipc", send_timeout_s=30), sender_id=name) as tx:
+        tx.send("hello", {})
+        go.wait(30)  # flood only once both senders are connected
         for i in range(n):
             tx.send("rollout", x, {"i": i})
         tx.flush()
@@ -193,10 +195,14 @@ def test_a_slow_consumer_takes_from_every_sender_in_turn():
     left the second sender's pipe off the fair-queue rotation: the first 60 messages came
     nearly all from one sender, and the other waited seconds in ``send``.)"""
     cfg = DataPlaneConfig(transport="ipc", recv_queue=2)
+    go = CTX.Event()
     with TrajectoryReceiver(cfg) as rx:
-        procs = [CTX.Process(target=_flood_proc, args=(rx.endpoints, f"s{k}", 60)) for k in range(2)]
+        procs = [CTX.Process(target=_flood_proc, args=(rx.endpoints, f"s{k}", 60, go)) for k in range(2)]
         for p in procs:
             p.start()
+        hello = {rx.get(timeout=60).sender for _ in range(2)}
+        assert hello == {"s0", "s1"}
+        go.set()
         order = []
         while len(order) < 120:
             msg = rx.get(timeout=30)
