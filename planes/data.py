@@ -489,10 +489,7 @@ class TrajectorySender:
 
     @staticmethod
     def _released(refs: list[weakref.ref]) -> bool:
-        for r in refs:
-            if r() is not None:
-                return False
-        return True
+        return all(r() is None for r in refs)
 
     def _reap(self) -> None:
         while self._pending and self._released(self._pending[0][0]):
