@@ -16,6 +16,12 @@ host) and a ``tcp://`` endpoint (loopback unless ``bind_host`` says otherwise, r
 port) and publishes both, with its host name, in the torch.distributed store that
 torchrun already runs. A sender on the same host uses ipc, others tcp.
 
+Who reads the data socket: the consumer's own thread while it waits in ``get`` (no hand-off
+between threads per message when the learner keeps up), and a background thread while the
+consumer is busy elsewhere (it prefetches and decodes up to ``recv_queue`` messages, so a
+learner that returns from an update finds its next chunks ready). A lock gives the socket
+to one of them at a time.
+
 Messages use :mod:`planes.serial` (msgpack envelope, one packed frame for the small
 tensors, one raw frame per large tensor, never pickle). The receiver validates the
 envelope before it reads any data frame, so it knows each frame's size: large tensors
@@ -36,6 +42,7 @@ import ctypes
 import datetime
 import glob
 import logging
+import math
 import os
 import platform
 import queue
@@ -68,7 +75,8 @@ log = logging.getLogger("dvla.planes.data")
 
 HEARTBEAT_KIND = "_hb"
 _DISCARD = bytearray()  # recv_into an empty buffer drops a frame
-_RECV_WAIT_MS = 50  # the receiver thread's longest wait for data before its periodic checks
+_RECV_WAIT_MS = 50  # the longest wait in one receive call, before periodic checks
+_PREFETCH_AFTER_S = 0.002  # the background thread prefetches once the consumer is this long away
 _SNDMORE = int(zmq.SNDMORE)  # a plain int: combining flag enums per frame costs more than the send
 
 
@@ -85,6 +93,7 @@ class Message:
 class Counters:
     sent: int = 0
     received: int = 0
+    prefetched: int = 0  # of those received, how many the background thread took while the consumer was busy
     rejected: dict[str, int] = field(default_factory=lambda: collections.Counter())
     dropped: dict[str, int] = field(default_factory=lambda: collections.Counter())
 
@@ -152,7 +161,10 @@ def _hostname() -> str:
 
 
 class TrajectoryReceiver:
-    """Learner side: binds, publishes its address, decodes in a background thread."""
+    """Learner side: binds and publishes its address. A consumer waiting in :meth:`get`
+    receives and decodes in its own thread; while it is busy elsewhere, a background thread
+    prefetches into the bounded receive queue. The background thread also reads
+    heartbeats and tracks liveness throughout."""
 
     def __init__(self, cfg: DataPlaneConfig | None = None, *, store=None, key: str = "dvla/data/0",
                  ctx: zmq.Context | None = None):
@@ -194,6 +206,12 @@ class TrajectoryReceiver:
         # while the data socket is deliberately left unread (backpressure).
         self._sock = self._bind("", self.cfg.recv_hwm)
         self._sock.setsockopt(zmq.RCVTIMEO, _RECV_WAIT_MS)
+        self._rcvtimeo = _RECV_WAIT_MS
+        # The data socket is read by one thread at a time: the consumer while it waits in
+        # get(), the background thread (prefetching) while the consumer is busy elsewhere.
+        self._sock_lock = threading.Lock()
+        self._getting = 0  # consumer threads in get()
+        self._left_get = 0.0  # when one last left it (time.monotonic())
         self._hb_sock = self._bind("hb_", 64)
         if self.public_key is not None:
             self.endpoints["curve_public_key"] = self.public_key.decode()
@@ -232,33 +250,55 @@ class TrajectoryReceiver:
                     self._drain_heartbeats()
                     self._check_peers()
                     next_check = now + 0.05
+                # Prefetch only while the consumer is busy elsewhere: a consumer that waits in
+                # get() receives for itself, which spares a thread hand-off per message.
+                if self._getting:
+                    self._stop.wait(0.05)
+                    continue
+                idle = now - self._left_get
+                if idle < _PREFETCH_AFTER_S:
+                    self._stop.wait(_PREFETCH_AFTER_S - idle)
+                    continue
                 if not room:
                     try:  # wakes as soon as the consumer takes a message
                         self._room.get(timeout=0.02)
                         room = True
                     except queue.Empty:
                         continue  # backpressure: the data socket stays unread, liveness is still checked
-                # A blocking receive (at most _RECV_WAIT_MS, then zmq.Again): libzmq waits
-                # for a whole message itself. Polling first woke this thread ~3.5 times per
-                # 3 MB message on tcp (libzmq's internal commands signal the socket too),
-                # each wake-up a trip through Python. But asking EVENTS first still matters:
-                # it makes libzmq process its pending commands, among them "this sender's
-                # pipe has data again". A receive that finds a message waiting returns it
-                # without processing them (it does so once per 100 messages), and meanwhile
-                # fair queueing only rotates over the senders it knows to have data: under
-                # backpressure one sender was starved for seconds.
-                self._sock.getsockopt(zmq.EVENTS)
+                if not self._sock_lock.acquire(timeout=0.02):
+                    continue  # the consumer is receiving
                 try:
-                    msg = self._receive(self._sock, 0)
-                except zmq.Again:
-                    continue
+                    msg = self._receive_data(_RECV_WAIT_MS)
+                finally:
+                    self._sock_lock.release()
                 if msg is not None:
+                    self.counters.prefetched += 1
                     self._queue.put(msg)
                     room = False
         except BaseException as exc:  # surfaced to the consumer by get()
             if not self._stop.is_set():
                 self._error = exc
                 log.exception("data plane receiver failed")
+
+    def _receive_data(self, wait_ms: int) -> Message | None:
+        """One message from the data socket, waiting at most ``wait_ms``; the caller holds
+        ``_sock_lock``. None when none came or it was rejected."""
+        if wait_ms != self._rcvtimeo:
+            self._sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+            self._rcvtimeo = wait_ms
+        # A blocking receive (at most wait_ms, then zmq.Again): libzmq waits for a whole
+        # message itself. Polling first woke the thread ~3.5 times per 3 MB message on tcp
+        # (libzmq's internal commands signal the socket too), each wake-up a trip through
+        # Python. But asking EVENTS first still matters: it makes libzmq process its
+        # pending commands, among them "this sender's pipe has data again". A receive that
+        # finds a message waiting returns it without processing them (it does so once per
+        # 100 messages), and meanwhile fair queueing only rotates over the senders it knows
+        # to have data: under backpressure one sender was starved for seconds.
+        self._sock.getsockopt(zmq.EVENTS)
+        try:
+            return self._receive(self._sock, zmq.NOBLOCK if wait_ms == 0 else 0)
+        except zmq.Again:
+            return None
 
     def _drain_heartbeats(self) -> None:
         while True:
@@ -339,15 +379,55 @@ class TrajectoryReceiver:
 
     # -- consumer API ----------------------------------------------------------------------
     def get(self, timeout: float | None = None) -> Message | None:
-        """Next message, or None after ``timeout`` seconds. Re-raises a receiver failure."""
+        """Next message, or None after ``timeout`` seconds. Re-raises a receiver failure.
+
+        Messages prefetched while the consumer was busy come first; with none waiting, the
+        calling thread receives from the socket itself (one thread at a time)."""
         if self._error is not None:
             raise RuntimeError("data plane receiver thread failed") from self._error
+        msg = self._take_queued()
+        if msg is None and not self._stop.is_set():
+            msg = self._get_direct(timeout)
+        return msg
+
+    def _take_queued(self) -> Message | None:
         try:
-            msg = self._queue.get(timeout=timeout)
+            msg = self._queue.get_nowait()
         except queue.Empty:
             return None
         self._room.put(None)
         return msg
+
+    def _get_direct(self, timeout: float | None) -> Message | None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._getting += 1
+        try:
+            while True:
+                remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+                # The background thread may hold the socket, receiving for up to
+                # _RECV_WAIT_MS: what it receives meanwhile lands in the queue.
+                if self._sock_lock.acquire(timeout=-1 if remaining is None else remaining):
+                    try:
+                        msg = self._take_queued()
+                        if msg is not None or self._stop.is_set():
+                            return msg
+                        wait = _RECV_WAIT_MS if remaining is None else min(_RECV_WAIT_MS, math.ceil(remaining * 1000))
+                        msg = self._receive_data(wait)
+                    finally:
+                        self._sock_lock.release()
+                else:
+                    msg = self._take_queued()
+                if msg is not None:
+                    return msg
+                if self._error is not None:
+                    raise RuntimeError("data plane receiver thread failed") from self._error
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+        finally:
+            with self._lock:
+                self._getting -= 1
+                self._left_get = time.monotonic()
 
     def depth(self) -> int:
         """Decoded messages waiting for the consumer."""
@@ -374,7 +454,10 @@ class TrajectoryReceiver:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        locked = self._sock_lock.acquire(timeout=5)  # a consumer's receive ends within _RECV_WAIT_MS
         self._sock.close(linger=0)
+        if locked:
+            self._sock_lock.release()
         self._hb_sock.close(linger=0)
         if self._auth is not None:
             self._auth.stop()

@@ -331,6 +331,28 @@ def test_receive_buffers_are_reused_instead_of_faulting_in_anew():
     assert kept < 5 and mapped > 100 * max(kept, 1), (kept, mapped)  # here: ~0.05 and ~770
 
 
+def test_a_waiting_consumer_receives_itself_and_a_busy_one_finds_messages_prefetched():
+    """While the consumer waits in get(), it reads the socket in its own thread; while it is
+    busy elsewhere, the background thread fills the receive queue, in order."""
+    cfg = DataPlaneConfig(transport="ipc", recv_queue=4)
+    small = {"x": torch.arange(16)}
+    with TrajectoryReceiver(cfg) as rx, TrajectorySender(rx.endpoints, cfg, sender_id="s") as tx:
+        assert rx.get(timeout=0.01) is None  # nothing sent: the consumer's own receive times out
+        seqs = []
+        for i in range(50):  # the consumer is back in get() before each message arrives
+            tx.send("rollout", small)
+            seqs.append(rx.get(timeout=10).seq)
+        assert rx.counters.prefetched <= 2, rx.counters.prefetched  # the thread saw none to take
+        for i in range(6):  # the consumer is busy: the thread takes up to recv_queue of these
+            tx.send("rollout", small)
+        deadline = time.monotonic() + 10
+        while rx.depth() < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rx.depth() == 4 and rx.counters.prefetched >= 4
+        seqs += [rx.get(timeout=10).seq for _ in range(6)]  # 4 from the queue, then 2 from the socket
+        assert seqs == list(range(56)) and rx.counters.received == 56
+
+
 def test_a_full_receive_queue_hands_over_as_soon_as_the_consumer_takes():
     """With ``recv_queue=1`` the receiver thread waits for room after nearly every message;
     it must wake when the consumer takes one, not sleep out a poll interval each time
