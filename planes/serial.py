@@ -122,14 +122,17 @@ def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = 
     made contiguous (that one case copies a large tensor). Tensors below
     :data:`PACK_LIMIT` bytes are copied into the packed frame (a numpy ``uint8`` array),
     the others are ``memoryview`` frames over their own memory."""
-    ts = []
+    ts, key = [], []
     for name, t in tensors.items():
         if not isinstance(t, Tensor):
             raise TypeError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
         if not t.is_cpu:
             raise ValueError(f"tensor {name!r} is on {t.device}; move it to the CPU before sending")
-        ts.append(t if t.is_contiguous() else t.contiguous())
-    key = tuple((name, t.dtype, t.shape) for name, t in zip(tensors, ts))
+        if not t.is_contiguous():
+            t = t.contiguous()
+        ts.append(t)
+        key.append((name, t.dtype, t.shape))
+    key = tuple(key)
     plan = _PLANS.get(key)
     if plan is None:
         plan = _plan(key)
@@ -142,7 +145,7 @@ def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = 
                                    msgpack.packb(meta or {}, use_bin_type=True), _ENV_TENSORS, plan.specs))]
     if plan.packed_size is not None:
         packed = numpy.zeros(plan.packed_size, dtype=numpy.uint8)  # zero padding between the tensors
-        base = packed.ctypes.data
+        base = packed.__array_interface__["data"][0]  # several times cheaper than packed.ctypes.data
         for t, off, n in zip(ts, plan.offsets, plan.nbytes):
             if off is not None and n:  # contiguous, on the CPU, n bytes from data_ptr(): checked above
                 _memmove(base + off, t.data_ptr(), n)
@@ -153,9 +156,11 @@ def encode(kind: str, tensors: dict[str, Tensor], meta: dict[str, Any] | None = 
 
 def _bytes_of(t: Tensor) -> memoryview:
     """A flat byte view of a contiguous CPU tensor's memory (no copy)."""
+    if t.requires_grad:
+        t = t.detach()
     if t.dtype == torch.bfloat16:  # numpy has no bfloat16: reinterpret as bytes
-        return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-    return memoryview(t.detach().numpy()).cast("B")
+        return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return memoryview(t.numpy()).cast("B")
 
 
 def _pack_offsets(sizes) -> tuple[int, list[int]]:
