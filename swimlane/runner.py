@@ -56,7 +56,7 @@ import torch.distributed as dist
 from dvla.algos import build_algorithm
 from dvla.checkpoint import CheckpointManager, load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from dvla.config import ConfigError, JobConfig, dump_yaml
-from dvla.envs import make_env
+from dvla.envs import env_spec, make_env
 from dvla.metrics import MetricsLogger
 from dvla.policy import ActOutput, PolicySpec, build_policy
 from dvla.rollout import EpisodeRecorder
@@ -173,15 +173,17 @@ class Swimlane:
         # Same construction order as the synchronous trainer, so seeds give equal weights.
         seed = cfg.run.seed
         torch.manual_seed(seed)
-        first_env = make_env(cfg.env, self.device, seed=seed + 7919 * rank)
-        spec = PolicySpec.for_env(first_env.spec, cfg.policy.action_chunk)
-        self.policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(self.device).eval()
         self.envs = []
         if self.is_rollout:
-            self.envs = [first_env] + [make_env(cfg.env, self.device, seed=seed + 7919 * rank + 15485863 * g)
-                                       for g in range(1, sl.env_groups)]
-        else:
-            first_env.close()  # only its spec was needed
+            self.envs = [make_env(cfg.env, self.device, seed=seed + 7919 * rank)]
+            env_spec_ = self.envs[0].spec
+        else:  # a learner-only rank needs the spec, not a simulator (where the env can tell)
+            env_spec_ = env_spec(cfg.env, self.device, seed=seed + 7919 * rank)
+        spec = PolicySpec.for_env(env_spec_, cfg.policy.action_chunk)
+        self.policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(self.device).eval()
+        if self.is_rollout:
+            self.envs += [make_env(cfg.env, self.device, seed=seed + 7919 * rank + 15485863 * g)
+                          for g in range(1, sl.env_groups)]
 
         # Process groups (every rank must create every group, in the same order).
         self.learner_group = self.control_group = None

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dvla.config import ConfigError, EnvConfig
-from dvla.envs import make_env
+from dvla.envs import ENV_REGISTRY, env_spec, make_env, register_env
+from dvla.envs.base import EnvSpec
 
 
 def fast(n=8, **kw):
@@ -20,6 +21,46 @@ def test_spec_and_observation():
     assert obs.proprio.shape == (8, 2)
     assert len(obs.instruction) == 8 and all(s.startswith("move to the") for s in obs.instruction)
     assert obs.image.float().std() > 0  # something is drawn
+
+
+def test_env_spec_without_building_matches_the_built_env(monkeypatch):
+    """A learner-only rank reads the spec from the config: for the built-in envs nothing is
+    built (the factory is not called), and the spec is the one a built env has."""
+    built = {False: fast(options={}).spec, True: fast(options={"privileged": True}).spec}
+
+    def no_build(*args):
+        raise AssertionError("env_spec built an env")
+
+    monkeypatch.setitem(ENV_REGISTRY, "fast_reach", no_build)
+    for privileged, spec in built.items():
+        cfg = EnvConfig(name="fast_reach", n_envs=8, image_size=32, options={"privileged": privileged})
+        assert env_spec(cfg) == spec
+    monkeypatch.setitem(ENV_REGISTRY, "genesis_reach", no_build)
+    assert env_spec(EnvConfig(name="genesis_reach", image_size=48, options={"privileged": True})) == EnvSpec(
+        image_shape=(3, 48, 48), proprio_dim=15, action_dim=4)  # tests/test_genesis.py checks a built one
+    with pytest.raises(ConfigError, match="unknown option"):
+        env_spec(EnvConfig(name="fast_reach", options={"colour": 1}))
+
+
+def test_env_spec_builds_and_closes_an_env_that_cannot_tell():
+    events = []
+
+    class Probe:
+        spec = EnvSpec(image_shape=(3, 8, 8), proprio_dim=5, action_dim=3)
+
+        def close(self):
+            events.append("close")
+
+    def factory(cfg, device, seed):
+        events.append("build")
+        return Probe()
+
+    register_env("probe_env")(factory)
+    try:
+        assert env_spec(EnvConfig(name="probe_env")) == Probe.spec
+        assert events == ["build", "close"]
+    finally:
+        del ENV_REGISTRY["probe_env"]
 
 
 def test_groups_share_initial_state():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dvla.config import EnvConfig, apply_overrides
-from dvla.envs import make_env
+from dvla.envs import env_spec, make_env
 from dvla.presets import genesis_reach
 from dvla.trainer import SyncTrainer
 
@@ -40,6 +40,7 @@ def test_reach_scene_builds_and_observes(reach_env):
     env = reach_env
     obs = env.reset(group_size=2)
     assert env.spec.action_dim == 4 and env.spec.proprio_dim == 12
+    assert env_spec(env.cfg) == env.spec  # what a learner-only rank reads without a scene
     assert obs.image.shape == (4, 3, 32, 32) and obs.image.dtype == torch.uint8
     assert obs.proprio.shape == (4, 12) and torch.isfinite(obs.proprio).all()
     assert obs.instruction[0] == "move the gripper to the red ball"

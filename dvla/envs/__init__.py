@@ -6,7 +6,10 @@
 * ``genesis_reach``, ``genesis_lift``: Franka Panda tasks in genesis-world.
 * ``gym``: any ``gymnasium`` env id, vectorised (``options.gym_id``).
 
-Add an env with ``register_env("name")`` on a factory ``(cfg, device, seed) -> BatchedEnv``.
+Add an env with ``register_env("name")`` on a factory ``(cfg, device, seed) -> BatchedEnv``;
+``register_env("name", spec=fn)`` also tells :func:`env_spec` the env's spec without building
+one (``fn(cfg) -> EnvSpec``, usually the class's ``spec_for``), so that a learner-only rank
+needs no simulator.
 """
 
 from __future__ import annotations
@@ -19,34 +22,50 @@ from dvla.config import ConfigError, EnvConfig
 from dvla.envs.base import BatchedEnv, EnvSpec, GoalEnv
 
 EnvFactory = Callable[[EnvConfig, torch.device, int], BatchedEnv]
+SpecFn = Callable[[EnvConfig], "EnvSpec | None"]
 ENV_REGISTRY: dict[str, EnvFactory] = {}
+ENV_SPECS: dict[str, SpecFn] = {}
 
 
-def register_env(name: str) -> Callable[[EnvFactory], EnvFactory]:
+def register_env(name: str, spec: SpecFn | None = None) -> Callable[[EnvFactory], EnvFactory]:
     def deco(factory: EnvFactory) -> EnvFactory:
         if name in ENV_REGISTRY and ENV_REGISTRY[name] is not factory:
             raise ValueError(f"env name {name!r} is already registered")
         ENV_REGISTRY[name] = factory
+        if spec is not None:
+            ENV_SPECS[name] = spec
         return factory
 
     return deco
 
 
-@register_env("fast_reach")
+def _fast_spec(cfg: EnvConfig) -> EnvSpec:
+    from dvla.envs.fast import FastReachEnv
+
+    return FastReachEnv.spec_for(cfg)
+
+
+def _genesis_spec(cfg: EnvConfig) -> EnvSpec:
+    from dvla.envs.genesis_env import GenesisFrankaEnv  # genesis itself is imported on build only
+
+    return GenesisFrankaEnv.spec_for(cfg)
+
+
+@register_env("fast_reach", spec=_fast_spec)
 def _fast_reach(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
     from dvla.envs.fast import FastReachEnv
 
     return FastReachEnv(cfg, device, seed)
 
 
-@register_env("genesis_reach")
+@register_env("genesis_reach", spec=_genesis_spec)
 def _genesis_reach(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
     from dvla.envs.genesis_env import GenesisReachEnv
 
     return GenesisReachEnv(cfg, device, seed)
 
 
-@register_env("genesis_lift")
+@register_env("genesis_lift", spec=_genesis_spec)
 def _genesis_lift(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
     from dvla.envs.genesis_env import GenesisLiftEnv
 
@@ -68,4 +87,17 @@ def make_env(cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0) 
     return ENV_REGISTRY[cfg.name](cfg, torch.device(device), seed)
 
 
-__all__ = ["BatchedEnv", "EnvSpec", "GoalEnv", "ENV_REGISTRY", "register_env", "make_env"]
+def env_spec(cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0) -> EnvSpec:
+    """The spec of the env ``cfg`` names: from its registered ``spec`` function where it has
+    one (nothing is built), otherwise from an env built for the purpose and closed again."""
+    spec = ENV_SPECS[cfg.name](cfg) if cfg.name in ENV_SPECS else None
+    if spec is not None:
+        return spec
+    env = make_env(cfg, device, seed)
+    try:
+        return env.spec
+    finally:
+        env.close()
+
+
+__all__ = ["BatchedEnv", "EnvSpec", "GoalEnv", "ENV_REGISTRY", "ENV_SPECS", "register_env", "make_env", "env_spec"]

@@ -45,13 +45,25 @@ class BatchedEnv(ABC):
 
     def _options(self, defaults: dict) -> dict:
         """``cfg.options`` over ``defaults``; an unknown key is a ConfigError naming the allowed ones."""
-        unknown = set(self.cfg.options) - set(defaults)
+        return self.options_of(self.cfg, defaults)
+
+    @staticmethod
+    def options_of(cfg: EnvConfig, defaults: dict) -> dict:
+        """:meth:`_options` for a config, without an env."""
+        unknown = set(cfg.options) - set(defaults)
         if unknown:
             raise ConfigError(
-                f"env.options: unknown option(s) {sorted(unknown)} for {self.cfg.name}; "
+                f"env.options: unknown option(s) {sorted(unknown)} for {cfg.name}; "
                 f"allowed: {sorted(defaults)}"
             )
-        return {**defaults, **self.cfg.options}
+        return {**defaults, **cfg.options}
+
+    @classmethod
+    def spec_for(cls, cfg: EnvConfig) -> EnvSpec | None:
+        """The spec an env built from ``cfg`` will have, where the class can tell without
+        building one (a learner-only rank needs the spec, not a simulator); None means
+        "build one to find out"."""
+        return None
 
     # -- hooks ------------------------------------------------------------------------------
     @abstractmethod

@@ -38,6 +38,12 @@ class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
                "render_cost_ms": 0.0}
 
+    @classmethod
+    def spec_for(cls, cfg: EnvConfig) -> EnvSpec:
+        privileged = bool(cls.options_of(cfg, cls.OPTIONS)["privileged"])
+        s = cfg.image_size
+        return EnvSpec(image_shape=(3, s, s), proprio_dim=4 if privileged else 2, action_dim=2)
+
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)
         opts = self._options(self.OPTIONS)
@@ -49,7 +55,7 @@ class FastReachEnv(GoalEnv):
         self.success_threshold = float(opts["radius"])
         self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
         s = cfg.image_size
-        self.spec = EnvSpec(image_shape=(3, s, s), proprio_dim=4 if self.privileged else 2, action_dim=2)
+        self.spec = self.spec_for(cfg)
         lin = torch.linspace(-1.0, 1.0, s, device=self.device)
         self._gy, self._gx = torch.meshgrid(lin, lin, indexing="ij")
         self._colors = torch.tensor(list(COLORS.values()), dtype=torch.float32, device=self.device)

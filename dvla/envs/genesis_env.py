@@ -71,6 +71,14 @@ class GenesisFrankaEnv(GoalEnv):
     OPTIONS = {"max_delta": 0.05, "substeps_per_action": 4, "dt": 0.01, "privileged": False}
     task_object = "sphere"
 
+    @classmethod
+    def spec_for(cls, cfg: EnvConfig) -> EnvSpec:
+        """Joint positions (9), fingertip position (3), and the goal (3) when privileged;
+        end-effector deltas (3) and a gripper command (1)."""
+        privileged = bool(cls.options_of(cfg, cls.OPTIONS)["privileged"])
+        s = cfg.image_size
+        return EnvSpec(image_shape=(3, s, s), proprio_dim=12 + (3 if privileged else 0), action_dim=4)
+
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)
         opts = self._options(self.OPTIONS)
@@ -112,8 +120,7 @@ class GenesisFrankaEnv(GoalEnv):
         self._home = torch.tensor(HOME_Q, dtype=torch.float32, device=self.device)
         self._down = torch.tensor(DOWN_QUAT, dtype=torch.float32, device=self.device).repeat(self.n_envs, 1)
         self._tip = torch.tensor([0.0, 0.0, TIP_OFFSET], device=self.device)
-        pdim = 12 + (3 if self.privileged else 0)
-        self.spec = EnvSpec(image_shape=(3, s, s), proprio_dim=pdim, action_dim=4)
+        self.spec = self.spec_for(cfg)
         self.goal = torch.zeros(self.n_envs, 3, device=self.device)
         self.ee_target = torch.zeros(self.n_envs, 3, device=self.device)
 
