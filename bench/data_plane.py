@@ -14,7 +14,8 @@ Both paths live in the same two processes for the whole run and each block start
 the receiver asks for it, so both see the same machine state; the order of the two alternates
 from pair to pair. Prints throughput, the median over pairs of the ratio dvla/raw (target
 >= 0.9), and the CPU time each process spent per message (``getrusage``: all its threads,
-ZeroMQ's I/O threads included). The receiver keeps freed receive buffers mapped
+ZeroMQ's I/O threads included), and per thread, summed over all blocks (from ``/proc``, on
+Linux). The receiver keeps freed receive buffers mapped
 (``data_plane.keep_receive_buffers``, process-wide, so the raw path gets it too);
 ``--default-malloc`` runs both paths with glibc's defaults instead.
 
@@ -24,8 +25,11 @@ ZeroMQ's I/O threads included). The receiver keeps freed receive buffers mapped
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import multiprocessing as mp
 import os
+import threading
 import resource
 import statistics
 import tempfile
@@ -55,6 +59,25 @@ def nbytes(chunk) -> int:
     return sum(t.numel() * t.element_size() for t in chunk.values())
 
 
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of this process, by name: the Python
+    thread's name where it has one, else the kernel's (ZeroMQ's I/O threads). Linux only
+    (empty elsewhere); the kernel counts in clock ticks (10 ms), so sum over many messages."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = collections.defaultdict(float)
+    for task in glob.glob(f"/proc/{os.getpid()}/task/*"):
+        try:
+            with open(task + "/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(task + "/comm") as f:
+                comm = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[names.get(int(os.path.basename(task)), comm)] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _sender(endpoints, raw_address, transport, n, blocks, go):
     chunk = make_chunk()
     payload = os.urandom(nbytes(chunk))
@@ -65,13 +88,13 @@ def _sender(endpoints, raw_address, transport, n, blocks, go):
     with TrajectorySender(endpoints, DataPlaneConfig(transport=transport), sender_id="bench") as tx:
         for _ in range(2 * blocks + 2):
             mode = go.recv()
-            before = resource.getrusage(resource.RUSAGE_SELF)
+            before, threads = resource.getrusage(resource.RUSAGE_SELF), _thread_cpu()
             for i in range(n):
                 if mode == "raw":
                     raw.send(payload, copy=False)
                 else:
                     tx.send("rollout", chunk, {"i": i})
-            go.send(_cpu_us(before, n))
+            go.send((_cpu_us(before, n), _thread_diff(threads)))
         tx.flush()
     raw.close(linger=-1)
     ctx.term()
@@ -82,6 +105,11 @@ def _cpu_us(before, n: int) -> tuple[float, float]:
     included) since ``before``, in microseconds per message."""
     now = resource.getrusage(resource.RUSAGE_SELF)
     return (now.ru_utime - before.ru_utime) / n * 1e6, (now.ru_stime - before.ru_stime) / n * 1e6
+
+
+def _thread_diff(before: dict[str, float]) -> dict[str, float]:
+    now = _thread_cpu()
+    return {k: v - before.get(k, 0.0) for k, v in now.items()}
 
 
 def main() -> None:
@@ -108,6 +136,8 @@ def main() -> None:
     proc.start()
 
     cpu = {"raw": [], "dvla": []}  # per block: receiver user, receiver sys, sender user, sender sys
+    # per mode and process, summed over the measured blocks: thread name -> CPU seconds
+    by_thread = {m: (collections.Counter(), collections.Counter()) for m in cpu}
 
     def block(mode: str) -> float:
         go.send(mode)
@@ -116,7 +146,7 @@ def main() -> None:
         else:
             rx.get(timeout=60).tensors["image"][0, 0, 0, 0, 0].item()
         t0 = time.perf_counter()  # from the first message on: excludes the go round trip
-        before = resource.getrusage(resource.RUSAGE_SELF)
+        before, threads = resource.getrusage(resource.RUSAGE_SELF), _thread_cpu()
         for _ in range(n - 1):
             if mode == "raw":
                 raw.recv(copy=False).buffer[0]
@@ -124,10 +154,15 @@ def main() -> None:
                 msg = rx.get(timeout=60)
                 msg.tensors["image"][0, 0, 0, 0, 0].item()
         elapsed = time.perf_counter() - t0
-        cpu[mode].append((*_cpu_us(before, n - 1), *go.recv()))
+        rx_threads = _thread_diff(threads)
+        tx_cpu, tx_threads = go.recv()
+        cpu[mode].append((*_cpu_us(before, n - 1), *tx_cpu))
+        by_thread[mode][0].update(rx_threads)
+        by_thread[mode][1].update(tx_threads)
         return elapsed
 
     block("raw"), block("dvla")  # warm-up
+    by_thread = {m: (collections.Counter(), collections.Counter()) for m in cpu}
     times = {"raw": [], "dvla": []}
     for b in range(args.blocks):  # the order alternates, so neither path always follows the other
         for mode in (("raw", "dvla") if b % 2 == 0 else ("dvla", "raw")):
@@ -149,6 +184,13 @@ def main() -> None:
         med = [statistics.median(c[k] for c in cpu[name][1:]) for k in range(4)]  # [0] was the warm-up
         print(f"{name:5s} CPU per message (median of blocks): receiving process user {med[0]:4.0f} us "
               f"sys {med[1]:4.0f} us, sending process user {med[2]:4.0f} us sys {med[3]:4.0f} us")
+    for name in ("raw", "dvla"):  # summed over all blocks: per block, the 10 ms ticks are too coarse
+        msgs = args.blocks * (n - 1)
+        parts = []
+        for proc, counts in zip(("receiving", "sending"), by_thread[name]):
+            busy = ", ".join(f"{t} {v / msgs * 1e6:.0f}" for t, v in sorted(counts.items()) if v / msgs * 1e6 >= 5)
+            parts.append(f"{proc} process: {busy or '-'}")
+        print(f"{name:5s} CPU per message by thread (us, user + sys, threads under 5 us left out): " + "; ".join(parts))
     print(f"ratio dvla/raw = {statistics.median(ratios):.3f} (median of blocks; target >= 0.9)")
 
 
