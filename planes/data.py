@@ -351,7 +351,8 @@ class TrajectoryReceiver:
             while more:  # drop the rest of the message
                 sock.recv_into(_DISCARD, flags=zmq.NOBLOCK)
                 more = sock.getsockopt(zmq.RCVMORE)
-            self.counters.rejected[exc.reason] += 1
+            with self._lock:  # heartbeats (background thread) and data (either thread) both count here
+                self.counters.rejected[exc.reason] += 1
             log.error("data plane: rejected message: %s", exc)
             return None
         now = time.monotonic()
