@@ -269,7 +269,8 @@ class DataPlaneConfig:
     recv_hwm: int = 8
     """Messages ZeroMQ may buffer at the receiver."""
     recv_queue: int = 8
-    """Decoded messages waiting for the consumer; when full the receiver stops reading.
+    """Decoded messages the receiver's background thread may prefetch while the consumer is
+    busy; when full it stops reading (a consumer waiting in ``get`` reads for itself).
     The swimlane sets it from ``swimlane.queue_size``."""
     max_message_bytes: int = 1 << 30  # planes.serial.DEFAULT_MAX_BYTES
     """Largest accepted message; bigger ones are rejected unread."""
