@@ -29,10 +29,10 @@ import collections
 import glob
 import multiprocessing as mp
 import os
-import threading
 import resource
 import statistics
 import tempfile
+import threading
 import time
 import uuid
 
@@ -162,7 +162,8 @@ def main() -> None:
         return elapsed
 
     block("raw"), block("dvla")  # warm-up
-    by_thread = {m: (collections.Counter(), collections.Counter()) for m in cpu}
+    for counts in by_thread.values():  # sums leave out the warm-up (the medians skip cpu[m][0])
+        counts[0].clear(), counts[1].clear()
     times = {"raw": [], "dvla": []}
     for b in range(args.blocks):  # the order alternates, so neither path always follows the other
         for mode in (("raw", "dvla") if b % 2 == 0 else ("dvla", "raw")):
@@ -185,9 +186,8 @@ def main() -> None:
         print(f"{name:5s} CPU per message (median of blocks): receiving process user {med[0]:4.0f} us "
               f"sys {med[1]:4.0f} us, sending process user {med[2]:4.0f} us sys {med[3]:4.0f} us")
     for name in ("raw", "dvla"):  # summed over all blocks: per block, the 10 ms ticks are too coarse
-        msgs = args.blocks * (n - 1)
-        parts = []
-        for proc, counts in zip(("receiving", "sending"), by_thread[name]):
+        parts = []  # a block is n - 1 messages on the receiving side (from the first one on), n sending
+        for proc, counts, msgs in zip(("receiving", "sending"), by_thread[name], (args.blocks * (n - 1), args.blocks * n)):
             busy = ", ".join(f"{t} {v / msgs * 1e6:.0f}" for t, v in sorted(counts.items()) if v / msgs * 1e6 >= 5)
             parts.append(f"{proc} process: {busy or '-'}")
         print(f"{name:5s} CPU per message by thread (us, user + sys, threads under 5 us left out): " + "; ".join(parts))

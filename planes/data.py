@@ -384,12 +384,15 @@ class TrajectoryReceiver:
 
         Messages prefetched while the consumer was busy come first; with none waiting, the
         calling thread receives from the socket itself (one thread at a time)."""
-        if self._error is not None:
-            raise RuntimeError("data plane receiver thread failed") from self._error
+        self._raise_if_failed()
         msg = self._take_queued()
         if msg is None and not self._stop.is_set():
             msg = self._get_direct(timeout)
         return msg
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("data plane receiver thread failed") from self._error
 
     def _take_queued(self) -> Message | None:
         try:
@@ -421,8 +424,7 @@ class TrajectoryReceiver:
                     msg = self._take_queued()
                 if msg is not None:
                     return msg
-                if self._error is not None:
-                    raise RuntimeError("data plane receiver thread failed") from self._error
+                self._raise_if_failed()
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
         finally:
