@@ -621,6 +621,10 @@ class Swimlane:
                 if len(chunks) < need:
                     self.counters["discarded_after_run"] += len(chunks)  # stopped mid-collection
                     break
+                if self.sl.mode == "async" and self.version + 1 >= self.iterations:
+                    # The last update has its data. What this rank's rollout lanes would
+                    # sample from now on nobody consumes; it would only slow this update.
+                    self.rollout_stop.set()
                 batch = concat(chunks)
                 self.counters["chunks_consumed"] += len(chunks)
                 t0 = time.perf_counter()

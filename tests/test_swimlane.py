@@ -18,6 +18,7 @@ from dvla.presets import debug
 from dvla.rollout import collect_episodes
 from dvla.trainer import SyncTrainer
 from swimlane import LaneError, Swimlane, draw_gantt, load_trace, utilization
+from swimlane.chunks import concat
 from swimlane.weights import DoubleBufferedWeights
 
 
@@ -62,6 +63,11 @@ def test_async_run_overlaps_lanes_and_writes_outputs(tmp_path):
     assert {s[0] for s in spans} == {"sampling", "inference", "gradient", "broadcast"}
     util = utilization(spans)
     assert all(0 < u["utilization"] <= 1 for u in util.values())
+    # Once the last update has its chunks the rollout lanes stop: at most the step each
+    # group had its actions for (without the stop they sample on through the update).
+    last_learn = max(b for lane, kind, b, e in spans if lane == "gradient" and kind == "learn")
+    late = [b for lane, kind, b, e in spans if lane == "sampling" and kind == "sim" and b > last_learn]
+    assert len(late) <= cfg.swimlane.env_groups
     png = draw_gantt(spans, tmp_path / "gantt.png")
     assert png.stat().st_size > 10_000
 
@@ -137,6 +143,42 @@ def test_off_policy_update_recomputes_proximal_log_probs(tmp_path):
     off = lanes.algo.update(batch, torch.Generator().manual_seed(0), learner_version=2)
     assert off["staleness_mean"] == 2 and off["is_weight_mean"] > 0
     assert 0 <= off["is_weight_clipped"] <= 1
+
+
+def test_a_mixed_batch_recomputes_proximal_log_probs_of_its_stale_steps_only(tmp_path):
+    """Steps sampled by the learner's current weights keep their behaviour log-probs as
+    the proximal ones; only the stale steps go through the proximal forward pass."""
+    lanes = Swimlane(cfg_for(tmp_path))
+    env, algo = lanes.envs[0], lanes.algo
+    batch = concat([_chunk(lanes.policy, env, 2, 0), _chunk(lanes.policy, env, 0, 2)])
+    with torch.no_grad():  # make the learner's weights differ from the ones that sampled
+        for p in lanes.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    version = batch.policy_version[batch.valid]
+    seen, real_prox, real_step = [], algo.proximal_log_probs, algo._step
+
+    def prox_spy(data, *a, **kw):
+        seen.append(data["actions"].shape[0])
+        return real_prox(data, *a, **kw)
+
+    minibatches = []
+
+    def step_spy(mb):
+        minibatches.append({k: mb[k].clone() for k in ("behav_logp", "prox_logp", "actions")})
+        return real_step(mb)
+
+    algo.proximal_log_probs, algo._step = prox_spy, step_spy
+    stats = algo.update(batch, torch.Generator().manual_seed(0), learner_version=2)
+    n_stale = int((version == 0).sum())
+    assert 0 < n_stale < version.numel() and seen == [n_stale]
+    assert stats["staleness_max"] == 2
+    fresh = stale = 0
+    for mb in minibatches:  # a fresh step's proximal log-prob is exactly its behaviour one
+        same = mb["prox_logp"] == mb["behav_logp"]
+        fresh += int(same.sum())
+        stale += int((~same).sum())
+    epochs = lanes.cfg.algo.update_epochs
+    assert fresh == epochs * (version.numel() - n_stale) and stale == epochs * n_stale
 
 
 def test_an_exception_in_a_lane_ends_the_run_with_its_traceback(tmp_path):

@@ -9,7 +9,8 @@ The surrogate is the decoupled PPO objective (:func:`clipped_policy_loss`): on-p
 data uses the behaviour log-probs as the proximal ones, which is exactly PPO. Stale data
 (sampled by weights older than the learner's, as the asynchronous swimlane produces)
 gets proximal log-probs recomputed with the learner's weights at the start of the
-update: the trust region is then taken around the current policy and the lag between
+update (steps of a mixed batch that the current weights sampled keep their behaviour
+log-probs, which are the proximal ones): the trust region is then taken around the current policy and the lag between
 behaviour and proximal policy is corrected by a truncated importance weight
 (``algo.max_is_weight``).
 """
@@ -26,6 +27,8 @@ from dvla.algos.losses import clipped_policy_loss
 from dvla.config import AlgoConfig
 from dvla.policy import VLAPolicy
 from dvla.types import Observation, RolloutBatch
+
+_PROXIMAL_INPUTS = ("image", "proprio", "ids", "actions")
 
 GradSync = Callable[[list[torch.nn.Parameter]], None]
 
@@ -66,7 +69,7 @@ class Algorithm(ABC):
         """Log-probs of the recorded actions under the current weights (no gradient)."""
         self.policy.eval()
         out = []
-        for s in range(0, data["adv"].shape[0], chunk):
+        for s in range(0, data["actions"].shape[0], chunk):
             obs = Observation(image=data["image"][s : s + chunk], proprio=data["proprio"][s : s + chunk],
                               instruction_ids=data["ids"][s : s + chunk])
             out.append(self.policy.evaluate(obs, data["actions"][s : s + chunk]).log_probs)
@@ -92,9 +95,18 @@ class Algorithm(ABC):
         if learner_version is not None:
             lag = (learner_version - batch.policy_version[batch.valid]).float()
             extra = {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
-            if bool((lag != 0).any()):
-                data["prox_logp"] = self.proximal_log_probs(data)
-                w = (data["prox_logp"] - data["behav_logp"]).exp()
+            stale = lag != 0
+            if bool(stale.any()):
+                # Steps sampled by the learner's current weights already have their
+                # proximal log-probs: the behaviour ones. Only the stale steps need a forward.
+                if bool(stale.all()):
+                    prox = self.proximal_log_probs(data)
+                else:
+                    prox = data["behav_logp"].clone()
+                    rows = stale.nonzero(as_tuple=True)[0]
+                    prox[rows] = self.proximal_log_probs({k: data[k][rows] for k in _PROXIMAL_INPUTS})
+                data["prox_logp"] = prox
+                w = (prox - data["behav_logp"]).exp()
                 extra["is_weight_mean"] = float(w.mean())
                 extra["is_weight_clipped"] = float((w > self.cfg.max_is_weight).float().mean())
         self.policy.train()
