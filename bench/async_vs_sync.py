@@ -1,20 +1,22 @@
 """Swimlane (async) against its own sync mode on the same config and workload, one process.
 
 The workload is the pure-torch reaching task with ``render_cost_ms`` of native CPU work
-per rendered observation (GIL released, like a real simulator's renderer), sized so
-that simulation and model time (inference + learning) are comparable: by default
-simulation is the largest stage and inference + learning take ~85% of its time, so the
-bound sits just under the two cores of the development machine. With
-``--render-cost-ms 9`` model time exceeds simulation time and the bound is the core cap
-itself (three busy lanes packed onto two cores). Sync and async
-runs alternate (``--repeats`` pairs) so both see the same machine state.
+per rendered observation (GIL released, like a real simulator's renderer). The issue's
+target asks for a workload where simulation and model time are comparable, so by default
+the bench sizes it on the machine at hand: a sync run without render cost measures
+inference + learning time and the number of rendered observations, and the render cost is
+set so that model time is ``--model-share`` (default 0.85) of simulation time. Simulation
+is then the largest stage and the bound sits just under two cores. A fixed
+``--render-cost-ms`` skips the calibration (with ``--render-cost-ms 9`` model time exceeds
+simulation time here and the bound is the core cap: three busy lanes on two cores). Sync
+and async runs alternate (``--repeats`` pairs) so both see the same machine state.
 
 Printed per pair: env steps/s of each mode and their ratio, and the *ideal bound* of
 the overlap: the sync run's stage times (simulation, inference, learning, broadcast,
 taken from its trace) summed, divided by the largest, and capped by the CPU cores.
 Targets: async/sync >= 0.9 x bound, and >= 1.6 where the stages are comparable.
 
-    python bench/async_vs_sync.py --render-cost-ms 20 --iterations 24 --repeats 5
+    python bench/async_vs_sync.py --iterations 24 --repeats 5
 """
 
 from __future__ import annotations
@@ -53,12 +55,32 @@ def run(mode: str, args, out: Path) -> tuple[float, list]:
     return summary["env_steps_per_s"], spans
 
 
+def calibrate(args, out: Path) -> float:
+    """Render cost (ms per observation) that makes inference + learning ``model_share`` of
+    simulation time, from a sync run without render cost. It runs as many updates as the
+    measured runs: learning time per update falls as episodes start to succeed (and end)
+    early, so a shorter run would overestimate it."""
+    _, spans = run("sync", argparse.Namespace(**{**vars(args), "render_cost_ms": 0.0}), out)
+    st = stage_times(spans)
+    renders = sum(1 for lane, kind, _, _ in spans if lane == "sampling" and kind in ("sim", "reset"))
+    model = st["inference"] + st["learning"]
+    cost_ms = max((model / args.model_share - st["simulation"]) / renders * 1e3, 0.0)
+    print(f"calibration (sync, {args.iterations} updates, no render cost): simulation {st['simulation']:.2f} s over {renders} "
+          f"rendered observations, inference {st['inference']:.2f} s, learning {st['learning']:.2f} s -> "
+          f"render cost {cost_ms:.1f} ms per observation (model time {args.model_share:.2f} of simulation)",
+          flush=True)
+    return cost_ms
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--iterations", type=int, default=24)
     ap.add_argument("--envs", type=int, default=32)
     ap.add_argument("--image", type=int, default=32)
-    ap.add_argument("--render-cost-ms", type=float, default=20.0)
+    ap.add_argument("--render-cost-ms", type=float, default=None,
+                    help="fixed render cost per observation (default: calibrated, see --model-share)")
+    ap.add_argument("--model-share", type=float, default=0.85,
+                    help="calibration: inference + learning time as a share of simulation time")
     ap.add_argument("--groups", type=int, default=2, help="env groups per rank (= chunks per update)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (shared by inference and learning)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -68,7 +90,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ratios, effs = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        run("async", argparse.Namespace(**{**vars(args), "iterations": 3}), Path(tmp) / "warm")
+        run("async", argparse.Namespace(**{**vars(args), "iterations": 3, "render_cost_ms": 0.0}), Path(tmp) / "warm")
+        if args.render_cost_ms is None:
+            args.render_cost_ms = calibrate(args, Path(tmp) / "calibrate")
         for i in range(args.repeats):
             sync_sps, sync_spans = run("sync", args, Path(tmp) / f"sync{i}")
             async_sps, async_spans = run("async", args, Path(tmp) / f"async{i}")
@@ -83,8 +107,9 @@ def main() -> None:
         t_end = max(s[3] for s in async_spans)
         png = draw_gantt(async_spans, args.gantt, title="dvla swimlane, async mode (last 2 s)",
                          window=(t_end - 2.0, t_end))
-    print(f"cores {cores}; median async/sync {statistics.median(ratios):.2f}; "
-          f"median async/sync / bound {statistics.median(effs):.2f}; Gantt chart: {png}")
+    print(f"cores {cores}; render cost {args.render_cost_ms:.1f} ms; median async/sync {statistics.median(ratios):.2f} "
+          f"(target >= 1.6); median async/sync / bound {statistics.median(effs):.2f} (target >= 0.9); "
+          f"Gantt chart: {png}")
 
 
 if __name__ == "__main__":
