@@ -17,7 +17,9 @@ from pair to pair. Prints throughput, the median over pairs of the ratio dvla/ra
 ZeroMQ's I/O threads included), and per thread, summed over all blocks (from ``/proc``, on
 Linux). The receiver keeps freed receive buffers mapped
 (``data_plane.keep_receive_buffers``, process-wide, so the raw path gets it too);
-``--default-malloc`` runs both paths with glibc's defaults instead.
+``--default-malloc`` runs both paths with glibc's defaults instead. ``--no-decode`` is a
+diagnostic: the dvla path's frames (same sender) are received as plain ZeroMQ frames and not
+decoded, so the ratio shows what the receiving side's decoding costs.
 
     python bench/data_plane.py --messages 200 --blocks 10 --transport ipc
 """
@@ -112,47 +114,62 @@ def _thread_diff(before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in now.items()}
 
 
+def _bind(sock: zmq.Socket, transport: str) -> str:
+    """Bind ``sock`` to a fresh ipc path or a random loopback port; returns the address."""
+    if transport == "ipc":
+        address = f"ipc://{tempfile.gettempdir()}/dvla-bench-{uuid.uuid4().hex[:8]}.sock"
+        sock.bind(address)
+        return address
+    return f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--messages", type=int, default=200, help="messages per block")
     ap.add_argument("--blocks", type=int, default=10, help="blocks of each kind")
     ap.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     ap.add_argument("--default-malloc", action="store_true", help="leave glibc malloc's settings alone")
+    ap.add_argument("--no-decode", action="store_true",
+                    help="diagnostic: receive the dvla path's frames without decoding them")
     args = ap.parse_args()
     n = args.messages
 
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PULL)
     raw.setsockopt(zmq.RCVHWM, 8)
-    if args.transport == "ipc":
-        raw_address = f"ipc://{tempfile.gettempdir()}/dvla-bench-{uuid.uuid4().hex[:8]}.sock"
-        raw.bind(raw_address)
-    else:
-        raw_address = f"tcp://127.0.0.1:{raw.bind_to_random_port('tcp://127.0.0.1')}"
+    raw_address = _bind(raw, args.transport)
     rx = TrajectoryReceiver(DataPlaneConfig(transport=args.transport, keep_receive_buffers=not args.default_malloc))
+    endpoints, frames_only = rx.endpoints, None
+    if args.no_decode:  # the sender's data and heartbeats go to plain sockets; heartbeats are never read
+        frames_only, hb = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
+        endpoints = {"host": rx.endpoints["host"]}
+        for prefix, sock in (("", frames_only), ("hb_", hb)):
+            sock.setsockopt(zmq.RCVHWM, DataPlaneConfig().recv_hwm)
+            endpoints[prefix + args.transport] = _bind(sock, args.transport)
     go, go_child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(
-        target=_sender, args=(rx.endpoints, raw_address, args.transport, n, args.blocks, go_child))
+        target=_sender, args=(endpoints, raw_address, args.transport, n, args.blocks, go_child))
     proc.start()
 
     cpu = {"raw": [], "dvla": []}  # per block: receiver user, receiver sys, sender user, sender sys
     # per mode and process, summed over the measured blocks: thread name -> CPU seconds
     by_thread = {m: (collections.Counter(), collections.Counter()) for m in cpu}
 
-    def block(mode: str) -> float:
-        go.send(mode)
+    def receive(mode: str) -> None:  # one message; touches the image's first byte
         if mode == "raw":
             raw.recv(copy=False).buffer[0]
+        elif frames_only is not None:
+            frames_only.recv_multipart(copy=False)[-1].buffer[0]
         else:
             rx.get(timeout=60).tensors["image"][0, 0, 0, 0, 0].item()
+
+    def block(mode: str) -> float:
+        go.send(mode)
+        receive(mode)
         t0 = time.perf_counter()  # from the first message on: excludes the go round trip
         before, threads = resource.getrusage(resource.RUSAGE_SELF), _thread_cpu()
         for _ in range(n - 1):
-            if mode == "raw":
-                raw.recv(copy=False).buffer[0]
-            else:
-                msg = rx.get(timeout=60)
-                msg.tensors["image"][0, 0, 0, 0, 0].item()
+            receive(mode)
         elapsed = time.perf_counter() - t0
         rx_threads = _thread_diff(threads)
         tx_cpu, tx_threads = go.recv()
@@ -171,12 +188,17 @@ def main() -> None:
     proc.join()
     rx.close()
     raw.close(linger=0)
+    if frames_only is not None:
+        frames_only.close(linger=0)
+        hb.close(linger=0)
 
     size = nbytes(make_chunk())
     ratios = sorted(r / d for r, d in zip(times["raw"], times["dvla"]))
     mb = size * (n - 1) / 1e6
     malloc = "glibc defaults" if args.default_malloc else "receive buffers kept"
-    print(f"chunk {size / 1e6:.2f} MB, {args.blocks} blocks x {n} messages of each kind, {args.transport}, {malloc}")
+    decode = ", dvla frames received WITHOUT decoding (diagnostic)" if args.no_decode else ""
+    print(f"chunk {size / 1e6:.2f} MB, {args.blocks} blocks x {n} messages of each kind, {args.transport}, "
+          f"{malloc}{decode}")
     for name in ("raw", "dvla"):
         med = statistics.median(times[name])
         print(f"{name:5s} median {mb / med:8.1f} MB/s {(n - 1) / med:7.1f} msg/s   best {mb / min(times[name]):8.1f} MB/s")
