@@ -164,7 +164,7 @@ def test_a_mixed_batch_recomputes_proximal_log_probs_of_its_stale_steps_only(tmp
     minibatches = []
 
     def step_spy(mb):
-        minibatches.append({k: mb[k].clone() for k in ("behav_logp", "prox_logp", "actions")})
+        minibatches.append({k: mb[k].clone() for k in ("behav_logp", "prox_logp")})
         return real_step(mb)
 
     algo.proximal_log_probs, algo._step = prox_spy, step_spy

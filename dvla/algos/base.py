@@ -10,9 +10,9 @@ data uses the behaviour log-probs as the proximal ones, which is exactly PPO. St
 (sampled by weights older than the learner's, as the asynchronous swimlane produces)
 gets proximal log-probs recomputed with the learner's weights at the start of the
 update (steps of a mixed batch that the current weights sampled keep their behaviour
-log-probs, which are the proximal ones): the trust region is then taken around the current policy and the lag between
-behaviour and proximal policy is corrected by a truncated importance weight
-(``algo.max_is_weight``).
+log-probs, which are the proximal ones): the trust region is then taken around the
+current policy and the lag between behaviour and proximal policy is corrected by a
+truncated importance weight (``algo.max_is_weight``).
 """
 
 from __future__ import annotations
