@@ -75,6 +75,11 @@ from swimlane.weights import DoubleBufferedWeights
 log = logging.getLogger("dvla.swimlane")
 _POLL_S = 0.05
 _THROTTLE_S = 2.0  # longest a rollout rank waits for newer weights while producing nothing
+# After a stop, lanes get this long to end. One blocked in a collective whose peer died never
+# does: run() then leaves it behind (its thread is a daemon), so that the summary is written
+# before torchrun, which stops the group with SIGTERM, follows up with SIGKILL (after 30 s).
+_STOP_GRACE_S = 10.0
+_JOIN_S = 5.0  # then all lanes together get this long to finish
 
 
 class LaneError(RuntimeError):
@@ -156,6 +161,7 @@ class Swimlane:
         self.tracer = Tracer(sl.trace)
         self.stop_event = threading.Event()  # hard stop: error or request_stop()
         self.rollout_stop = threading.Event()  # the learner is done: rollout lanes wind down
+        self.lanes_left_running: list[str] = []  # lanes still blocked when run() returned
         self.learner_done = threading.Event()
         self.errors: list[LaneError] = []
 
@@ -795,10 +801,15 @@ class Swimlane:
             threads.append(self._lane("sampling", self._sampling_lane))
         try:
             drained = False
+            stopped_at = None
             while any(t.is_alive() for t in threads) and not self.errors:
                 if not drained and self.is_learner and self.learner_done.is_set() and self.world_size > 1:
                     self._drain()
                     drained = True
+                if self.stop_event.is_set():
+                    stopped_at = stopped_at or time.monotonic()
+                    if time.monotonic() - stopped_at > _STOP_GRACE_S:
+                        break
                 for t in threads:
                     t.join(timeout=_POLL_S)
         except KeyboardInterrupt:
@@ -807,8 +818,13 @@ class Swimlane:
         finally:
             if self.errors:
                 self.request_stop()
+            deadline = time.monotonic() + _JOIN_S
             for t in threads:
-                t.join(timeout=5.0)
+                t.join(timeout=max(deadline - time.monotonic(), 0.0))
+            self.lanes_left_running = [t.name for t in threads if t.is_alive()]
+            if self.lanes_left_running:
+                log.warning("lane(s) %s still running after the stop (blocked in a collective whose peer is "
+                            "gone?); leaving them", ", ".join(self.lanes_left_running))
             if self.is_learner and not self.errors:
                 self._drain(wait=not drained and self.world_size > 1)
             self._close()
@@ -888,6 +904,7 @@ class Swimlane:
             "weight_swaps": self.weights.swaps,
             "lane_utilization": {k: round(v["utilization"], 4) for k, v in util.items()},
             "stopped_early": self.version < self.iterations, "time_limit_reached": self.time_up, "error": error,
+            "lanes_left_running": self.lanes_left_running,
             "restarts": self.restarts, "resumed_from": self.resumed_from, "totals": self.total_counters(),
             "host": self.topology.hosts[self.topology.host_of(self.rank)].name,
             "role": self.placement.role(self.rank),
@@ -916,7 +933,11 @@ class Swimlane:
             name = "trace.json" if self.rank == 0 else f"trace_rank{self.rank}.json"
             self.tracer.save(self.out_dir / name, rank=self.rank, mode=self.sl.mode)
         if self.rank == 0:
-            save_weights(self.policy, self.out_dir / "weights.safetensors", self.version)
+            if "dvla-gradient" in self.lanes_left_running:  # its weights may be mid-update
+                log.warning("weights.safetensors not written: the gradient lane is still running; "
+                            "the last checkpoint holds the weights")
+            else:
+                save_weights(self.policy, self.out_dir / "weights.safetensors", self.version)
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             attempts = self.out_dir / "attempts"  # one summary per torchrun attempt
             attempts.mkdir(exist_ok=True)

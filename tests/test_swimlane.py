@@ -261,6 +261,37 @@ def test_request_stop_ends_a_long_run(tmp_path):
     assert 0 < summary["version"] < 100000
 
 
+def test_a_stop_does_not_wait_forever_for_a_lane_blocked_in_a_collective(tmp_path, monkeypatch):
+    """torchrun stops the group with SIGTERM when a peer dies and kills it 30 s later. A lane
+    blocked in a collective with the dead peer never returns, so run() leaves it after a
+    grace period and still writes the summary."""
+    import swimlane.runner as runner
+
+    monkeypatch.setattr(runner, "_STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(runner, "_JOIN_S", 0.5)
+    lanes = Swimlane(cfg_for(tmp_path, "run.iterations=100000"))
+    never = threading.Event()
+    real_publish = lanes._publish
+
+    def publish_then_block(version):  # the first publish works, the next one never returns
+        if lanes.counters["publishes"]:
+            never.wait()
+        real_publish(version)
+
+    lanes._publish = publish_then_block
+    threading.Timer(2.0, lanes.request_stop).start()
+    t0, result = time.monotonic(), {}
+    run = threading.Thread(target=lambda: result.update(lanes.run()), daemon=True)
+    run.start()
+    run.join(timeout=30)  # fail, not hang, should run() wait for the blocked lane
+    assert not run.is_alive(), "run() is still waiting for the blocked broadcast lane"
+    assert time.monotonic() - t0 < 2.0 + 3.0
+    summary = result
+    assert summary["lanes_left_running"] == ["dvla-broadcast"] and summary["version"] >= 1
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["lanes_left_running"] == ["dvla-broadcast"]
+    never.set()
+
+
 def test_bad_roles_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="swimlane.learner_ranks"):
         Swimlane(cfg_for(tmp_path, "swimlane.learner_ranks=2"))
