@@ -161,7 +161,7 @@ class Swimlane:
         self.tracer = Tracer(sl.trace)
         self.stop_event = threading.Event()  # hard stop: error or request_stop()
         self.rollout_stop = threading.Event()  # the learner is done: rollout lanes wind down
-        self.lanes_left_running: list[str] = []  # lanes still blocked when run() returned
+        self.lanes_left_running: list[str] = []  # lanes (by name) still blocked when run() returned
         self.learner_done = threading.Event()
         self.errors: list[LaneError] = []
 
@@ -789,16 +789,14 @@ class Swimlane:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.out_dir / "config.yaml")
         self._start_time = time.perf_counter()
-        threads = []
+        lanes: dict[str, threading.Thread] = {}  # lane name -> its thread
         if self.is_learner:
-            threads.append(self._lane("gradient", self._gradient_lane))
-        if self.rank == 0:
-            threads.append(self._lane("broadcast", self._broadcast_lane))
-        else:
-            threads.append(self._lane("broadcast", self._receive_lane))
+            lanes["gradient"] = self._lane("gradient", self._gradient_lane)
+        lanes["broadcast"] = self._lane("broadcast", self._broadcast_lane if self.rank == 0 else self._receive_lane)
         if self.is_rollout:
-            threads.append(self._lane("inference", self._inference_lane))
-            threads.append(self._lane("sampling", self._sampling_lane))
+            lanes["inference"] = self._lane("inference", self._inference_lane)
+            lanes["sampling"] = self._lane("sampling", self._sampling_lane)
+        threads = list(lanes.values())
         try:
             drained = False
             stopped_at = None
@@ -821,7 +819,7 @@ class Swimlane:
             deadline = time.monotonic() + _JOIN_S
             for t in threads:
                 t.join(timeout=max(deadline - time.monotonic(), 0.0))
-            self.lanes_left_running = [t.name for t in threads if t.is_alive()]
+            self.lanes_left_running = [name for name, t in lanes.items() if t.is_alive()]
             if self.lanes_left_running:
                 log.warning("lane(s) %s still running after the stop (blocked in a collective whose peer is "
                             "gone?); leaving them", ", ".join(self.lanes_left_running))
@@ -933,7 +931,7 @@ class Swimlane:
             name = "trace.json" if self.rank == 0 else f"trace_rank{self.rank}.json"
             self.tracer.save(self.out_dir / name, rank=self.rank, mode=self.sl.mode)
         if self.rank == 0:
-            if "dvla-gradient" in self.lanes_left_running:  # its weights may be mid-update
+            if "gradient" in self.lanes_left_running:  # its weights may be mid-update
                 log.warning("weights.safetensors not written: the gradient lane is still running; "
                             "the last checkpoint holds the weights")
             else:
