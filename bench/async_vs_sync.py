@@ -48,7 +48,7 @@ def run(mode: str, args, out: Path) -> tuple[float, list]:
         f"env.image_size={args.image}", "env.episode_len=12", f"env.options.render_cost_ms={args.render_cost_ms}",
         f"swimlane.env_groups={args.groups}", f"swimlane.chunks_per_update={args.groups}",
         "swimlane.max_staleness=1",
-        f"run.torch_threads={args.threads}", "run.progress=false", f"run.out_dir={out}",
+        f"run.torch_threads={args.threads}", "run.progress=false", f"run.out_dir={out}", *args.set,
     ])
     summary = Swimlane(cfg).run()
     _, spans = load_trace(out / "trace.json")
@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=2, help="env groups per rank (= chunks per update)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (shared by inference and learning)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every run, e.g. algo.proximal=loglinear")
     ap.add_argument("--gantt", default="bench/swimlane_gantt.png")
     args = ap.parse_args()
     cores = len(os.sched_getaffinity(0))

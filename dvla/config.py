@@ -119,6 +119,11 @@ class AlgoConfig:
     max_is_weight: float = 2.0
     """Off-policy correction: cap of the importance weight pi_proximal / pi_behaviour
     applied to steps sampled with older weights (decoupled PPO objective)."""
+    proximal: Literal["recompute", "loglinear"] = "recompute"
+    """Proximal log-probs of stale steps: ``recompute`` them with the learner's weights (one
+    forward pass over the stale steps per update), or ``loglinear``: interpolate between the
+    behaviour log-prob and the trained policy's, by version lag (AReaL's ``prox_logp_method``,
+    A-3PO), which saves that forward pass."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []

@@ -14,7 +14,7 @@ import torch
 
 from dvla.config import ConfigError, apply_overrides
 from dvla.metrics import read_metrics
-from dvla.presets import debug
+from dvla.presets import debug, fast_reach
 from dvla.rollout import collect_episodes
 from dvla.trainer import SyncTrainer
 from swimlane import LaneError, Swimlane, draw_gantt, load_trace, utilization
@@ -179,6 +179,61 @@ def test_a_mixed_batch_recomputes_proximal_log_probs_of_its_stale_steps_only(tmp
         stale += int((~same).sum())
     epochs = lanes.cfg.algo.update_epochs
     assert fresh == epochs * (version.numel() - n_stale) and stale == epochs * n_stale
+
+
+def test_proximal_loglinear_interpolates_by_version_lag_without_a_forward_pass(tmp_path, monkeypatch):
+    """algo.proximal=loglinear: no proximal forward pass; in each minibatch a stale step's
+    proximal log-prob is behav + lag / (lag + 1) * (log pi_theta - behav), a fresh step's is
+    its behaviour log-prob, and the loss gets both with the truncated importance weight."""
+    import dvla.algos.base as base
+
+    lanes = Swimlane(cfg_for(tmp_path, "algo.proximal=loglinear"))
+    env, algo = lanes.envs[0], lanes.algo
+    batch = concat([_chunk(lanes.policy, env, 2, 0), _chunk(lanes.policy, env, 0, 2)])
+    with torch.no_grad():  # make the trained policy differ from the one that sampled
+        for p in lanes.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    version = batch.policy_version[batch.valid]
+    monkeypatch.setattr(algo, "proximal_log_probs", lambda *a, **k: pytest.fail("proximal forward pass"))
+    calls, real_loss = [], base.clipped_policy_loss
+
+    def loss_spy(new, prox, adv, clip, behav_log_probs=None, max_is_weight=None):
+        calls.append((new.detach().clone(), prox.clone(), behav_log_probs.clone(), max_is_weight))
+        return real_loss(new, prox, adv, clip, behav_log_probs=behav_log_probs, max_is_weight=max_is_weight)
+
+    monkeypatch.setattr(base, "clipped_policy_loss", loss_spy)
+    stats = algo.update(batch, torch.Generator().manual_seed(0), learner_version=2)
+    cfg = lanes.cfg.algo
+    assert len(calls) == cfg.update_epochs * cfg.minibatches
+    fresh = stale = 0
+    for new, prox, behav, cap in calls:
+        assert cap == cfg.max_is_weight
+        alpha = (prox - behav) / (new - behav)  # 0 for fresh steps, 2 / 3 for the lag-2 ones
+        moved = (new - behav).abs() > 1e-3  # where the ratio is well defined
+        is_fresh = prox == behav
+        fresh += int(is_fresh.sum())
+        stale += int((~is_fresh).sum())
+        assert torch.allclose(alpha[moved & ~is_fresh], torch.tensor(2 / 3), atol=1e-3)
+    n_stale = int((version == 0).sum())
+    assert 0 < n_stale < version.numel()
+    assert stale == cfg.update_epochs * n_stale and fresh == cfg.update_epochs * (version.numel() - n_stale)
+    assert stats["staleness_max"] == 2 and stats["is_weight_mean"] > 0 and 0 <= stats["is_weight_clipped"] <= 1
+
+
+def test_an_async_run_with_the_loglinear_proximal_learns(tmp_path):
+    """The interpolated proximal policy is a working off-policy correction: an async run
+    on stale data learns the fast env."""
+    lanes = Swimlane(apply_overrides(fast_reach(), [
+        "algo.proximal=loglinear", "run.iterations=30", "env.image_size=16", "env.n_envs=32",
+        "swimlane.env_groups=2", "swimlane.chunks_per_update=2", "run.torch_threads=1", "run.progress=false",
+        f"run.out_dir={tmp_path / 'run'}"]))
+    summary = lanes.run()
+    assert summary["version"] == 30
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert sum(r["staleness_mean"] for r in rows) / len(rows) > 0.5  # the correction was at work
+    success = [r["success_rate"] for r in rows]
+    first, last = sum(success[:6]) / 6, sum(success[-6:]) / 6
+    assert last > first + 0.25, (first, last)
 
 
 def test_an_exception_in_a_lane_ends_the_run_with_its_traceback(tmp_path):
