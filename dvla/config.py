@@ -244,6 +244,11 @@ class SwimlaneConfig:
     hierarchical_broadcast: bool = True
     """Across hosts, send each weights version once to one leader rank per host, which
     fans it out locally. False: one flat broadcast group over all ranks."""
+    gradient_nice: int = 0
+    """Niceness added to the gradient lane's thread (Linux; elsewhere ignored with a
+    warning). Where lanes share too few CPU cores, simulation is the critical path and
+    learning has slack: a positive value lets the kernel favour the sampling and inference
+    lanes while all three want a core. 0 leaves scheduling alone."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = [(n, f"must be >= 1, got {getattr(self, n)}")
@@ -254,6 +259,8 @@ class SwimlaneConfig:
             errs.append(("stall_timeout_s", f"must be >= 0, got {self.stall_timeout_s}"))
         if self.max_staleness < 0:
             errs.append(("max_staleness", f"must be >= 0, got {self.max_staleness}"))
+        if not 0 <= self.gradient_nice <= 19:
+            errs.append(("gradient_nice", f"must be in [0, 19], got {self.gradient_nice}"))
         if self.mode == "sync" and self.broadcast_every != 1:
             errs.append(("broadcast_every", f"must be 1 in sync mode, got {self.broadcast_every}"))
         return errs

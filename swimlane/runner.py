@@ -73,6 +73,7 @@ from swimlane.trace import Tracer, utilization
 from swimlane.weights import DoubleBufferedWeights
 
 log = logging.getLogger("dvla.swimlane")
+
 _POLL_S = 0.05
 _THROTTLE_S = 2.0  # longest a rollout rank waits for newer weights while producing nothing
 # After a stop, lanes get this long to end. One blocked in a collective whose peer died never
@@ -80,6 +81,16 @@ _THROTTLE_S = 2.0  # longest a rollout rank waits for newer weights while produc
 # before torchrun, which stops the group with SIGTERM, follows up with SIGKILL (after 30 s).
 _STOP_GRACE_S = 10.0
 _JOIN_S = 5.0  # then all lanes together get this long to finish
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux: a thread id is a process id
+    to ``setpriority``); warn and go on where that is not possible."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
+    except (AttributeError, OSError) as exc:
+        log.warning("swimlane.gradient_nice=%d not applied to the gradient lane: %r", nice, exc)
 
 
 class LaneError(RuntimeError):
@@ -589,6 +600,8 @@ class Swimlane:
         return self.sl.env_groups * max(1, len(self.expected_senders))
 
     def _gradient_lane(self) -> None:
+        if self.sl.gradient_nice:
+            lower_thread_priority(self.sl.gradient_nice)
         tr = self.tracer
         need = self._chunks_per_update()
         lead = self.rank == 0

@@ -347,6 +347,31 @@ def test_a_stop_does_not_wait_forever_for_a_lane_blocked_in_a_collective(tmp_pat
     never.set()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_gradient_nice_lowers_the_priority_of_the_gradient_lane_only(tmp_path):
+    lanes = Swimlane(cfg_for(tmp_path, "run.iterations=2", "swimlane.gradient_nice=3"))
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    base, seen = nice(), {}
+    real_update, real_step = lanes.algo.update, lanes.envs[0].step
+
+    def update(*a, **k):
+        seen["gradient"] = nice()
+        return real_update(*a, **k)
+
+    def step(*a, **k):
+        seen["sampling"] = nice()
+        return real_step(*a, **k)
+
+    lanes.algo.update, lanes.envs[0].step = update, step
+    assert lanes.run()["version"] == 2
+    assert seen == {"gradient": min(base + 3, 19), "sampling": base} and nice() == base
+    with pytest.raises(ConfigError, match=r"swimlane.gradient_nice: must be in \[0, 19\], got -1"):
+        cfg_for(tmp_path, "swimlane.gradient_nice=-1").validate()
+
+
 def test_bad_roles_are_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="swimlane.learner_ranks"):
         Swimlane(cfg_for(tmp_path, "swimlane.learner_ranks=2"))
