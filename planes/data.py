@@ -395,6 +395,8 @@ class TrajectoryReceiver:
             raise RuntimeError("data plane receiver thread failed") from self._error
 
     def _take_queued(self) -> Message | None:
+        if self._queue.empty():  # the common case when the consumer keeps up: no exception raised
+            return None
         try:
             msg = self._queue.get_nowait()
         except queue.Empty:
