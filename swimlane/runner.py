@@ -73,7 +73,6 @@ from swimlane.trace import Tracer, utilization
 from swimlane.weights import DoubleBufferedWeights
 
 log = logging.getLogger("dvla.swimlane")
-
 _POLL_S = 0.05
 _THROTTLE_S = 2.0  # longest a rollout rank waits for newer weights while producing nothing
 # After a stop, lanes get this long to end. One blocked in a collective whose peer died never
