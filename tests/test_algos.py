@@ -37,8 +37,12 @@ def test_decoupled_loss_truncated_importance_weight():
     loss, _ = clipped_policy_loss(new, prox, adv, 0.2, behav_log_probs=behav)
     assert loss.item() == pytest.approx((-1.2 * 0.5 + 0.8 - 2.0) / 3)
     behav = torch.tensor([-math.log(2.0), 0.0, 0.0])  # weights 2, 1, 1; the 2 is truncated to 1.5
-    loss, _ = clipped_policy_loss(new, prox, adv, 0.2, behav_log_probs=behav, max_is_weight=1.5)
+    loss, stats = clipped_policy_loss(new, prox, adv, 0.2, behav_log_probs=behav, max_is_weight=1.5)
     assert loss.item() == pytest.approx((-1.2 * 1.5 + 0.8 - 2.0) / 3)
+    assert stats["is_weight_mean"].item() == pytest.approx(4 / 3)  # before truncation
+    assert stats["is_weight_clipped"].item() == pytest.approx(1 / 3)
+    _, stats = clipped_policy_loss(new, prox, adv, 0.2)
+    assert "is_weight_mean" not in stats  # on-policy: no importance weight
 
 
 def test_group_normalized_advantages_by_hand():

@@ -109,22 +109,21 @@ class Algorithm(ABC):
             lag = (learner_version - batch.policy_version[batch.valid]).float()
             extra = {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
             stale = lag != 0
-            if bool(stale.any()) and self.cfg.proximal == "loglinear":
-                data["prox_alpha"] = lag / (lag + 1)  # interpolated in _step, per minibatch
-            elif bool(stale.any()):
-                # Steps sampled by the learner's current weights already have their
-                # proximal log-probs: the behaviour ones. Only the stale steps need a forward.
-                chunk = -(-n // self.cfg.minibatches)
-                if bool(stale.all()):
-                    prox = self.proximal_log_probs(data, chunk)
+            # The importance-weight stats come from the loss, minibatch by minibatch.
+            if bool(stale.any()):
+                if self.cfg.proximal == "loglinear":
+                    data["prox_alpha"] = lag / (lag + 1)  # interpolated in _step, per minibatch
                 else:
-                    prox = data["behav_logp"].clone()
-                    rows = stale.nonzero(as_tuple=True)[0]
-                    prox[rows] = self.proximal_log_probs({k: data[k][rows] for k in _PROXIMAL_INPUTS}, chunk)
-                data["prox_logp"] = prox
-                w = (prox - data["behav_logp"]).exp()
-                extra["is_weight_mean"] = float(w.mean())
-                extra["is_weight_clipped"] = float((w > self.cfg.max_is_weight).float().mean())
+                    # Steps sampled by the learner's current weights already have their proximal
+                    # log-probs: the behaviour ones. Only the stale steps need a forward pass.
+                    chunk = -(-n // self.cfg.minibatches)
+                    if bool(stale.all()):
+                        data["prox_logp"] = self.proximal_log_probs(data, chunk)
+                    else:
+                        prox = data["behav_logp"].clone()
+                        rows = stale.nonzero(as_tuple=True)[0]
+                        prox[rows] = self.proximal_log_probs({k: data[k][rows] for k in _PROXIMAL_INPUTS}, chunk)
+                        data["prox_logp"] = prox
         self.policy.train()
         sums: dict[str, float] = {}
         count = 0
@@ -169,9 +168,6 @@ class Algorithm(ABC):
             prox = behav + mb["prox_alpha"] * (out.log_probs.detach() - behav)
             pl, pstats = clipped_policy_loss(out.log_probs, prox, mb["adv"], self.cfg.clip_eps,
                                              behav_log_probs=behav, max_is_weight=self.cfg.max_is_weight)
-            w = (prox - behav).exp()
-            pstats["is_weight_mean"] = w.mean()
-            pstats["is_weight_clipped"] = (w > self.cfg.max_is_weight).float().mean()
         elif "prox_logp" in mb:  # off-policy: trust region around the proximal policy
             pl, pstats = clipped_policy_loss(out.log_probs, mb["prox_logp"], mb["adv"], self.cfg.clip_eps,
                                              behav_log_probs=mb["behav_logp"],

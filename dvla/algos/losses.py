@@ -24,23 +24,26 @@ def clipped_policy_loss(
     importance weight ``min(pi_prox / pi_behav, max_is_weight)``. With
     ``behav_log_probs=None`` (on-policy) the weight is 1 and this is plain PPO.
 
-    Returns the mean loss over the given samples and diagnostics.
+    Returns the mean loss over the given samples and diagnostics (with behaviour log-probs,
+    also the mean importance weight before truncation and the share truncated).
     """
     log_ratio = new_log_probs - prox_log_probs
     ratio = log_ratio.exp()
     surr1 = ratio * advantages
     surr2 = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
     per_sample = -torch.minimum(surr1, surr2)
-    if behav_log_probs is not None:
-        w = (prox_log_probs - behav_log_probs).exp()
-        if max_is_weight is not None:
-            w = w.clamp(max=max_is_weight)
-        per_sample = per_sample * w.detach()
     with torch.no_grad():
         stats = {
             "approx_kl": ((ratio - 1.0) - log_ratio).mean(),
             "clip_frac": ((ratio - 1.0).abs() > clip_eps).float().mean(),
         }
+    if behav_log_probs is not None:
+        w = (prox_log_probs - behav_log_probs).exp().detach()
+        stats["is_weight_mean"] = w.mean()
+        if max_is_weight is not None:
+            stats["is_weight_clipped"] = (w > max_is_weight).float().mean()
+            w = w.clamp(max=max_is_weight)
+        per_sample = per_sample * w
     return per_sample.mean(), stats
 
 
