@@ -254,6 +254,7 @@ class Swimlane:
                          "env_errors": 0, "discarded_after_run": 0}
         self.history: list[dict[str, Any]] = []
         self._start_time = time.perf_counter()
+        self._start_unix = time.time()
 
     # -- checkpoints -----------------------------------------------------------------------
     def _generators(self) -> dict[str, torch.Generator]:
@@ -801,6 +802,7 @@ class Swimlane:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.out_dir / "config.yaml")
         self._start_time = time.perf_counter()
+        self._start_unix = time.time()  # the same moment on the wall clock (the report aligns ranks by it)
         lanes: dict[str, threading.Thread] = {}  # lane name -> its thread
         if self.is_learner:
             lanes["gradient"] = self._lane("gradient", self._gradient_lane)
@@ -941,7 +943,8 @@ class Swimlane:
         if self.sl.trace:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             name = "trace.json" if self.rank == 0 else f"trace_rank{self.rank}.json"
-            self.tracer.save(self.out_dir / name, rank=self.rank, mode=self.sl.mode)
+            self.tracer.save(self.out_dir / name, rank=self.rank, mode=self.sl.mode, run_start=self._start_time,
+                             run_start_unix=self._start_unix)
         if self.rank == 0:
             if "gradient" in self.lanes_left_running:  # its weights may be mid-update
                 log.warning("weights.safetensors not written: the gradient lane is still running; "
