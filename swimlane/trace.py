@@ -1,9 +1,10 @@
 """Lane tracing: cheap spans per lane, saved as JSON, drawn as a swimlane Gantt chart.
 
-A span is ``(lane, kind, start, end)`` in seconds since the tracer started. Recording
-is a ``time.perf_counter`` pair and one ``list.append`` (atomic under the GIL), so
-lanes record from their own threads without locks. ``utilization`` turns a trace into
-per-lane busy and idle time; ``draw_gantt`` renders it with matplotlib.
+A span is ``(lane, kind, start, end)`` in seconds since the tracer started (its ``t0``,
+saved in the trace's meta). Recording is a ``time.perf_counter`` pair and one
+``list.append`` (atomic under the GIL), so lanes record from their own threads without
+locks. ``utilization`` turns a trace into per-lane busy and idle time; ``draw_gantt``
+renders one trace with matplotlib, ``draw_swimlanes`` several (one block of rows each).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 LANES = ("sampling", "inference", "gradient", "broadcast")
+IDLE_KINDS = ("wait", "throttle")  # span kinds that count as idle time
 COLORS = {
     "sim": "#4c72b0", "reset": "#8172b2", "wait": "#dddddd", "throttle": "#eeeeaa", "infer": "#dd8452", "value": "#c44e52",
     "learn": "#55a868", "stale_drop": "#937860", "publish": "#da8bc3", "receive": "#8c8c8c",
@@ -46,9 +48,14 @@ class Tracer:
             self.spans.append((lane, kind, start - self.t0, end - self.t0))
 
     def save(self, path: str | os.PathLike, **meta) -> None:
+        """Write ``{"meta": meta, "spans": spans}`` as JSON (atomically). ``meta`` holds
+        whatever keywords are given (the runner passes ``rank``, ``mode``, ``run_start``:
+        ``time.perf_counter()`` when the run started, and ``run_start_unix``: ``time.time()``
+        at that moment) plus ``t0``, the ``perf_counter`` value span times count from, so
+        ``span time + t0 - run_start`` is seconds since the run started."""
         path = Path(path)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": meta, "spans": self.spans}))
+        tmp.write_text(json.dumps({"meta": {"t0": self.t0, **meta}, "spans": self.spans}))
         os.replace(tmp, path)
 
 
@@ -57,7 +64,7 @@ def load_trace(path: str | os.PathLike) -> tuple[dict, list[tuple[str, str, floa
     return data.get("meta", {}), [tuple(s) for s in data["spans"]]
 
 
-def utilization(spans, idle_kinds=("wait", "throttle")) -> dict[str, dict[str, float]]:
+def utilization(spans, idle_kinds=IDLE_KINDS) -> dict[str, dict[str, float]]:
     """Per lane: busy seconds (spans not of an idle kind), idle seconds and busy fraction
     over the traced wall time (first span start to last span end)."""
     if not spans:
@@ -73,39 +80,80 @@ def utilization(spans, idle_kinds=("wait", "throttle")) -> dict[str, dict[str, f
 
 
 def draw_gantt(spans, path: str | os.PathLike, title: str = "dvla swimlane",
-               window: tuple[float, float] | None = None) -> Path:
-    """Draw one row per lane, one bar per span (colour by kind); returns the PNG path."""
-    import matplotlib
+               window: tuple[float, float] | None = None, **kwargs) -> Path:
+    """Draw one row per lane, one bar per span (colour by kind); returns the PNG path.
+    ``window`` (start, end) clips the chart to that interval; keyword arguments go to
+    :func:`draw_swimlanes`."""
+    return draw_swimlanes([("", spans)], path, title=title, window=window, **kwargs)["path"]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def draw_swimlanes(blocks, path: str | os.PathLike, title: str = "dvla swimlane",
+                   window: tuple[float, float] | None = None, xlabel: str = "seconds",
+                   busy_label: bool = True) -> dict:
+    """Draw a Gantt chart of several traces stacked: ``blocks`` is a list of
+    ``(label, spans)`` (e.g. ``("rank 1", spans)``), one block of lane rows each, with the
+    times of all blocks on one axis. Spans are clipped to ``window`` (default: first span
+    start to last span end); a lane gets a row only when it has spans in the window, and
+    the axes fit the rows and the window exactly. Row labels read ``"rank 1 · sampling"``
+    (``"sampling"`` for an unlabelled block) plus, with ``busy_label``, the lane's busy
+    fraction of the window. Returns ``{"path", "rows" (the drawn row labels, top to
+    bottom), "lanes" ([(block label, lane)] per row), "window", "xlim", "ylim",
+    "kinds"}``; ``xlim`` and ``ylim`` are read back from the axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    if window is not None:
-        spans = [s for s in spans if s[3] >= window[0] and s[2] <= window[1]]
-    lanes = [ln for ln in LANES if any(s[0] == ln for s in spans)]
-    lanes += [ln for ln in dict.fromkeys(s[0] for s in spans) if ln not in lanes]
-    util = utilization(spans)
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.7 * max(1, len(lanes))))
-    kinds = set()
-    for row, lane in enumerate(lanes):
-        bars: dict[str, list[tuple[float, float]]] = {}
-        for ln, kind, b, e in spans:
-            if ln == lane:
-                bars.setdefault(kind, []).append((b, max(e - b, 1e-5)))
+    everything = [s for _, spans in blocks for s in spans]
+    if window is None:
+        window = (min((s[2] for s in everything), default=0.0), max((s[3] for s in everything), default=1.0))
+    w0, w1 = float(window[0]), float(window[1])
+    if w1 <= w0:
+        w1 = w0 + 1e-3
+    min_w = (w1 - w0) / 1500  # a span shorter than ~1 pixel still shows
+    rows: list[tuple[str, str, dict[str, list[tuple[float, float]]], float]] = []
+    for label, spans in blocks:
+        clipped = [(ln, k, max(b, w0), min(e, w1)) for ln, k, b, e in spans if e >= w0 and b <= w1]
+        lanes = [ln for ln in LANES if any(s[0] == ln for s in clipped)]
+        lanes += [ln for ln in dict.fromkeys(s[0] for s in clipped) if ln not in lanes]
+        for lane in lanes:
+            bars: dict[str, list[tuple[float, float]]] = {}
+            busy = 0.0
+            for ln, kind, b, e in clipped:
+                if ln == lane:
+                    bars.setdefault(kind, []).append((b, max(e - b, min_w)))
+                    busy += (e - b) if kind not in IDLE_KINDS else 0.0
+            rows.append((label, lane, bars, busy / (w1 - w0)))
+
+    fig = Figure(figsize=(13, max(2.6, 1.3 + 0.36 * len(rows))))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    kinds: set[str] = set()
+    labels = []
+    shade = False
+    for row, (label, lane, bars, busy) in enumerate(rows):
+        if row and label != rows[row - 1][0]:  # a new block: a separator, alternate shading
+            ax.axhline(row - 0.5, color="#555555", lw=0.8)
+            shade = not shade
+        if shade:
+            ax.axhspan(row - 0.5, row + 0.5, color="#f2f2f2", zorder=0)
         for kind, xs in bars.items():
             kinds.add(kind)
-            ax.broken_barh(xs, (row - 0.4, 0.8), facecolors=COLORS.get(kind, "#333333"))
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"{ln} ({util[ln]['utilization']:.0%})" for ln in lanes])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds")
-    ax.set_title(title)
-    ax.legend(handles=[Patch(color=COLORS.get(k, "#333333"), label=k) for k in sorted(kinds)],
-              loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(lanes) > 2 else -0.4),
-              ncol=min(8, len(kinds)), fontsize=8)
+            ax.broken_barh(xs, (row - 0.4, 0.8), facecolors=COLORS.get(kind, "#333333"), zorder=2)
+        text = f"{label} · {lane}" if label else lane
+        labels.append(text)
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"{t} ({r[3]:.0%})" if busy_label else t for t, r in zip(labels, rows)], fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)  # top to bottom, no margin
+    ax.set_xlim(w0, w1)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.25, axis="x")
+    if kinds:
+        ax.legend(handles=[Patch(color=COLORS.get(k, "#333333"), label=k) for k in sorted(kinds)],
+                  loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, borderaxespad=0.0)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return {"path": path, "rows": [t.get_text() for t in ax.get_yticklabels()],
+            "lanes": [(r[0], r[1]) for r in rows], "window": (w0, w1), "xlim": tuple(map(float, ax.get_xlim())),
+            "ylim": tuple(map(float, ax.get_ylim())), "kinds": sorted(kinds)}
