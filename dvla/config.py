@@ -162,21 +162,30 @@ class RunConfig:
     device: str = "auto"
     """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``."""
     out_dir: str = "runs/dvla"
-    """Metrics (``metrics.jsonl``), the resolved config and weights are written here."""
+    """Base directory of runs. Each ``dvla train`` / ``python -m dvla.launch`` writes to a new
+    directory ``out_dir/YYYYmmdd-HHMMSS`` (metrics, config, weights, checkpoints, trace,
+    ``summary.json``) and points the symlink ``out_dir/latest`` at it; ``--resume`` continues
+    ``latest`` (or ``out_dir`` itself when it is a run directory). ``Swimlane(cfg)`` and
+    ``SyncTrainer(cfg)`` used from Python write to ``out_dir`` itself."""
+    name: str = ""
+    """Fixed name of the run directory, ``out_dir/name``, instead of a timestamp (for scripts
+    and multi-node jobs that need to know it in advance). A new run refuses a name that
+    already holds a run; ``--resume`` continues it."""
     progress: bool = True
     """Show a console progress bar (steps/s, success, weights version, staleness, queue
     depth); false: one line per update."""
     tensorboard: bool = True
-    """Also write TensorBoard event files to ``out_dir/tb`` when the ``tensorboard``
+    """Also write TensorBoard event files to the run directory's ``tb/`` when the ``tensorboard``
     package is installed (``pip install 'dvla[tb]'``)."""
     save_every: int = 0
-    """Write a checkpoint (weights, optimizer state, RNG states, counters) to
-    ``out_dir/checkpoints`` every N learner updates (0: only at the end)."""
+    """Write a checkpoint (weights, optimizer state, RNG states, counters) to the run
+    directory's ``checkpoints/`` every N learner updates (0: only at the end)."""
     keep_checkpoints: int = 3
     """Newest valid checkpoints kept; older ones are pruned."""
     resume: bool = False
-    """Continue from the newest valid checkpoint in ``out_dir/checkpoints`` (``--resume``).
-    Ranks restarted by ``torchrun --max-restarts`` resume on their own."""
+    """Continue from the newest valid checkpoint in the run directory's ``checkpoints/``
+    (``--resume``: the run ``out_dir/latest`` points to, or ``out_dir/name``). Ranks
+    restarted by ``torchrun --max-restarts`` resume on their own."""
     time_limit_s: float = 0.0
     """Stop after this many seconds of training, as if the last iteration had been
     reached (final checkpoint, summary); 0: no limit."""
@@ -185,8 +194,12 @@ class RunConfig:
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
-        if self.iterations < 0:
-            errs.append(("iterations", f"must be >= 0, got {self.iterations}"))
+        if self.iterations < 1:
+            errs.append(("iterations", f"must be >= 1, got {self.iterations}"))
+        if self.name and (self.name in (".", "..", "latest") or "/" in self.name or "\\" in self.name
+                          or self.name.startswith(".")):
+            errs.append(("name", f"must be a plain directory name (no '/', not 'latest' or starting with "
+                                 f"'.'), got {self.name!r}"))
         if self.save_every < 0:
             errs.append(("save_every", f"must be >= 0, got {self.save_every}"))
         if self.keep_checkpoints < 1:
@@ -409,7 +422,7 @@ def validate(cfg: Any, path: str = "") -> None:
     listing every problem with its dotted field path."""
     errors = _collect_errors(cfg, path)
     if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+        raise ConfigError("invalid configuration: " + "; ".join(errors))
 
 
 def _collect_errors(cfg: Any, path: str) -> list[str]:
@@ -474,10 +487,29 @@ def merge(cfg: Any, data: dict[str, Any], path: str = "") -> Any:
 
 
 def load_yaml(cfg: Any, path: str | Path) -> Any:
-    """Apply the YAML file at ``path`` on top of ``cfg``."""
-    with open(path) as fh:
-        data = yaml.safe_load(fh) or {}
-    return merge(cfg, data)
+    """Apply the YAML file at ``path`` on top of ``cfg``. A missing or unreadable file and a
+    YAML syntax error are :class:`ConfigError` (the latter naming ``file:line:column``)."""
+    try:
+        with open(path) as fh:
+            data = yaml.safe_load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError(f"{where}: invalid YAML: {what}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of config sections (env:, run:, ...), "
+                          f"got {type(data).__name__}")
+    try:
+        return merge(cfg, data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 def parse_override(item: str) -> dict[str, Any]:
