@@ -203,8 +203,10 @@ def register_policy(name: str) -> Callable[[type[VLAPolicy]], type[VLAPolicy]]:
     return deco
 
 
-def build_policy(name: str, spec: PolicySpec, options: dict[str, Any] | None = None) -> VLAPolicy:
-    """Instantiate the registered policy ``name`` with ``options`` checked against its Config."""
+def policy_config(name: str, options: dict[str, Any] | None = None) -> Any:
+    """The registered policy ``name``'s ``Config`` built from ``options`` and validated,
+    without building the model: a :class:`ConfigError` names an unknown policy (and the
+    registered ones) or an unknown or invalid option (and the allowed ones)."""
     import dvla.models  # noqa: F401  (registers the built-in policies)
 
     if name not in POLICY_REGISTRY:
@@ -212,6 +214,14 @@ def build_policy(name: str, spec: PolicySpec, options: dict[str, Any] | None = N
             f"policy.name: unknown policy {name!r}; registered: {', '.join(sorted(POLICY_REGISTRY))}"
         )
     cls = POLICY_REGISTRY[name]
+    if not isinstance(options or {}, dict):
+        raise ConfigError(f"policy.options: expected a mapping, got {options!r}")
     cfg = from_dict(cls.Config, dict(options or {}), path="policy.options.")
     validate(cfg, path="policy.options.")
-    return cls(spec=spec, config=cfg)
+    return cfg
+
+
+def build_policy(name: str, spec: PolicySpec, options: dict[str, Any] | None = None) -> VLAPolicy:
+    """Instantiate the registered policy ``name`` with ``options`` checked against its Config."""
+    cfg = policy_config(name, options)
+    return POLICY_REGISTRY[name](spec=spec, config=cfg)

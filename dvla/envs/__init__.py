@@ -9,7 +9,9 @@
 Add an env with ``register_env("name")`` on a factory ``(cfg, device, seed) -> BatchedEnv``;
 ``register_env("name", spec=fn)`` also tells :func:`env_spec` the env's spec without building
 one (``fn(cfg) -> EnvSpec``, usually the class's ``spec_for``), so that a learner-only rank
-needs no simulator.
+needs no simulator; ``check=fn`` (``fn(cfg)``, raising :class:`~dvla.config.ConfigError`)
+lets :func:`check_env_config` validate ``env.options`` before anything is built (the
+launcher calls it, also for ``--print-config``).
 """
 
 from __future__ import annotations
@@ -23,20 +25,40 @@ from dvla.envs.base import BatchedEnv, EnvSpec, GoalEnv
 
 EnvFactory = Callable[[EnvConfig, torch.device, int], BatchedEnv]
 SpecFn = Callable[[EnvConfig], "EnvSpec | None"]
+CheckFn = Callable[[EnvConfig], object]
 ENV_REGISTRY: dict[str, EnvFactory] = {}
 ENV_SPECS: dict[str, SpecFn] = {}
+ENV_CHECKS: dict[str, CheckFn] = {}
 
 
-def register_env(name: str, spec: SpecFn | None = None) -> Callable[[EnvFactory], EnvFactory]:
+def register_env(name: str, spec: SpecFn | None = None,
+                 check: CheckFn | None = None) -> Callable[[EnvFactory], EnvFactory]:
     def deco(factory: EnvFactory) -> EnvFactory:
         if name in ENV_REGISTRY and ENV_REGISTRY[name] is not factory:
             raise ValueError(f"env name {name!r} is already registered")
         ENV_REGISTRY[name] = factory
         if spec is not None:
             ENV_SPECS[name] = spec
+        if check is not None:
+            ENV_CHECKS[name] = check
         return factory
 
     return deco
+
+
+def check_env_config(cfg: EnvConfig) -> None:
+    """Validate ``env.name`` and ``env.options`` without building an env: a
+    :class:`ConfigError` names an unknown env (and the registered ones) or an unknown or
+    invalid option (and the allowed ones). Envs registered without ``check`` are only
+    checked by name here (their own constructor checks the rest)."""
+    if cfg.name not in ENV_REGISTRY:
+        raise ConfigError(
+            f"env.name: unknown env {cfg.name!r}; registered: {', '.join(sorted(ENV_REGISTRY))}"
+        )
+    if not isinstance(cfg.options, dict):
+        raise ConfigError(f"env.options: expected a mapping, got {cfg.options!r}")
+    if cfg.name in ENV_CHECKS:
+        ENV_CHECKS[cfg.name](cfg)
 
 
 def _fast_spec(cfg: EnvConfig) -> EnvSpec:
@@ -51,28 +73,64 @@ def _genesis_spec(cfg: EnvConfig) -> EnvSpec:
     return GenesisFrankaEnv.spec_for(cfg)
 
 
-@register_env("fast_reach", spec=_fast_spec)
+def check_option_keys(cfg: EnvConfig, allowed) -> None:
+    """A ConfigError naming the first key of ``cfg.options`` not in ``allowed`` (and the allowed ones)."""
+    for key in cfg.options:
+        if key not in allowed:
+            raise ConfigError(f"env.options.{key}: unknown option for env {cfg.name!r}; allowed: "
+                              f"{', '.join(sorted(allowed))}")
+
+
+def _fast_check(cfg: EnvConfig) -> None:
+    from dvla.envs.fast import FastReachEnv
+
+    check_option_keys(cfg, FastReachEnv.OPTIONS)
+    FastReachEnv.check_config(cfg)
+
+
+def _genesis_check(cfg: EnvConfig) -> None:
+    from dvla.envs.genesis_env import GenesisFrankaEnv
+
+    check_option_keys(cfg, GenesisFrankaEnv.OPTIONS)
+    opts = GenesisFrankaEnv.options_of(cfg, GenesisFrankaEnv.OPTIONS)
+    sub = opts["substeps_per_action"]
+    if isinstance(sub, bool) or not isinstance(sub, int) or sub < 1:
+        raise ConfigError(f"env.options.substeps_per_action: must be an integer >= 1, got {sub!r}")
+    for key in ("max_delta", "dt"):
+        v = opts[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+            raise ConfigError(f"env.options.{key}: must be a number > 0, got {v!r}")
+
+
+def _gym_check(cfg: EnvConfig) -> None:
+    from dvla.envs.gym_adapter import GymVectorEnv
+
+    check_option_keys(cfg, GymVectorEnv.OPTIONS)
+    GymVectorEnv.check_config(cfg)
+
+
+@register_env("fast_reach", spec=_fast_spec, check=_fast_check)
 def _fast_reach(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
     from dvla.envs.fast import FastReachEnv
 
     return FastReachEnv(cfg, device, seed)
 
 
-@register_env("genesis_reach", spec=_genesis_spec)
+@register_env("genesis_reach", spec=_genesis_spec, check=_genesis_check)
 def _genesis_reach(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
     from dvla.envs.genesis_env import GenesisReachEnv
 
     return GenesisReachEnv(cfg, device, seed)
 
 
-@register_env("genesis_lift", spec=_genesis_spec)
+@register_env("genesis_lift", spec=_genesis_spec, check=_genesis_check)
 def _genesis_lift(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
     from dvla.envs.genesis_env import GenesisLiftEnv
 
     return GenesisLiftEnv(cfg, device, seed)
 
 
-@register_env("gym")
+@register_env("gym", check=_gym_check)
 def _gym(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
     from dvla.envs.gym_adapter import GymVectorEnv
 
@@ -100,4 +158,5 @@ def env_spec(cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0) 
         env.close()
 
 
-__all__ = ["BatchedEnv", "EnvSpec", "GoalEnv", "ENV_REGISTRY", "ENV_SPECS", "register_env", "make_env", "env_spec"]
+__all__ = ["BatchedEnv", "EnvSpec", "GoalEnv", "ENV_REGISTRY", "ENV_SPECS", "ENV_CHECKS", "register_env",
+           "check_env_config", "make_env", "env_spec"]

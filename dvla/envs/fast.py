@@ -44,12 +44,25 @@ class FastReachEnv(GoalEnv):
         s = cfg.image_size
         return EnvSpec(image_shape=(3, s, s), proprio_dim=4 if privileged else 2, action_dim=2)
 
+    @classmethod
+    def check_config(cls, cfg: EnvConfig) -> dict:
+        """``cfg.options`` over the defaults, checked without building an env (ConfigError)."""
+        opts = cls.options_of(cfg, cls.OPTIONS)
+        n = opts["n_targets"]
+        if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(COLORS)):
+            raise ConfigError(f"env.options.n_targets: must be an integer in [1, {len(COLORS)}], got {n!r}")
+        for key in ("max_delta", "radius", "render_cost_ms"):
+            v = opts[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
+        if not isinstance(opts["privileged"], bool):
+            raise ConfigError(f"env.options.privileged: must be true or false, got {opts['privileged']!r}")
+        return opts
+
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)
-        opts = self._options(self.OPTIONS)
+        opts = self.check_config(cfg)
         self.n_targets = int(opts["n_targets"])
-        if not 1 <= self.n_targets <= len(COLORS):
-            raise ConfigError(f"env.options.n_targets: must be in [1, {len(COLORS)}], got {self.n_targets}")
         self.max_delta = float(opts["max_delta"])
         self.privileged = bool(opts["privileged"])
         self.success_threshold = float(opts["radius"])

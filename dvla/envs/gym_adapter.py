@@ -30,6 +30,35 @@ from dvla.types import Observation
 class GymVectorEnv(BatchedEnv):
     OPTIONS = {"gym_id": None, "instruction": None, "image_key": None, "make_kwargs": {}}
 
+    @classmethod
+    def check_config(cls, cfg: EnvConfig) -> dict:
+        """``cfg.options`` over the defaults, checked without building an env: known keys,
+        ``gym_id`` given and registered with gymnasium (ConfigError)."""
+        opts = cls.options_of(cfg, cls.OPTIONS)
+        gym_id = opts["gym_id"]
+        if not gym_id or not isinstance(gym_id, str):
+            raise ConfigError("env.options.gym_id: required for env.name='gym' (e.g. env.options.gym_id=Pendulum-v1)")
+        if not isinstance(opts["make_kwargs"], dict):
+            raise ConfigError(f"env.options.make_kwargs: expected a mapping, got {opts['make_kwargs']!r}")
+        try:
+            import gymnasium as gym
+        except ImportError:
+            raise ConfigError("env.name: 'gym' needs the gymnasium package (pip install gymnasium)") from None
+        name = gym_id
+        if ":" in gym_id:  # "module:EnvId": the module registers the env when imported
+            import importlib
+
+            module, name = gym_id.split(":", 1)
+            try:
+                importlib.import_module(module)
+            except ImportError as exc:
+                raise ConfigError(f"env.options.gym_id: cannot import {module!r} for {gym_id!r}: {exc}") from None
+        try:
+            gym.spec(name)
+        except gym.error.Error as exc:
+            raise ConfigError(f"env.options.gym_id: {exc}") from None
+        return opts
+
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0, vec_env=None):
         super().__init__(cfg, device, seed)
         import gymnasium as gym
