@@ -5,16 +5,25 @@
 
 Overrides are ``KEY=VALUE`` with dotted keys (``--env.n_envs=32`` works too); values
 are parsed as YAML. ``--config FILE.yaml`` is applied before the overrides.
+
+Each run writes to a directory of its own, ``{run.out_dir}/{YYYYmmdd-HHMMSS}`` (or
+``{run.out_dir}/{run.name}``), and ``{run.out_dir}/latest`` points to the newest
+(:mod:`dvla.rundir`); ``--resume`` continues that one. A mistake in the configuration or
+the command line is one line on stderr and exit code 2 (``--debug`` shows the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import shlex
 import signal
 import sys
 import traceback
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 
@@ -22,55 +31,226 @@ from dvla.config import ConfigError, apply_overrides, load_yaml
 from dvla.distributed import init_from_env, shutdown
 from dvla.presets import DEFAULT_PRESET, PRESETS, get_preset
 
+log = logging.getLogger("dvla.launch")
+EXIT_USER_ERROR = 2
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dvla.launch",
-        description="Train a VLA policy with RL. Positional KEY=VALUE arguments override the config.",
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as a ConfigError (one line; the launcher prints it)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser(prog: str = "python -m dvla.launch") -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=prog,
+        description="Train a VLA policy with RL. Positional KEY=VALUE arguments override the config "
+                    "(e.g. run.iterations=20 env.n_envs=32). Each run writes to its own directory "
+                    "run.out_dir/YYYYmmdd-HHMMSS; run.out_dir/latest points to the newest.",
     )
     p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default: %(default)s)")
-    p.add_argument("--config", help="YAML file applied on top of the preset")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    p.add_argument("--resume", action="store_true", help="continue from the newest valid checkpoint in "
-                   "run.out_dir/checkpoints (same as run.resume=true)")
+    p.add_argument("--config", metavar="FILE.yaml", help="YAML file applied on top of the preset")
+    p.add_argument("--print-config", action="store_true", help="check the config, print it as YAML and exit")
+    p.add_argument("--resume", action="store_true", help="continue the newest run under run.out_dir (its "
+                   "latest link, or run.out_dir/run.name) from its newest valid checkpoint (same as "
+                   "run.resume=true)")
+    p.add_argument("-v", "--verbose", action="store_true", help="more log output: debug messages, third-party "
+                   "warnings (sets DVLA_VERBOSE=1 for the simulators)")
+    p.add_argument("--debug", action="store_true", help="show the Python traceback of configuration errors")
     return p
 
 
-def parse_config(argv: list[str] | None = None):
-    parser = build_parser()
+def check_config(cfg) -> None:
+    """Everything that can be checked without building an env or a model: field types and
+    ranges, the env's name and options, the policy's name and options (its ``Config``)."""
+    from dvla.envs import check_env_config
+    from dvla.policy import policy_config
+
+    cfg.validate()
+    check_env_config(cfg.env)
+    policy_config(cfg.policy.name, cfg.policy.options)
+
+
+def parse_config(argv: list[str] | None = None, prog: str = "python -m dvla.launch"):
+    """``(args, cfg)`` from the command line; :class:`ConfigError` for any mistake in it."""
+    parser = build_parser(prog)
     args, rest = parser.parse_known_args(argv)
     bad = [a for a in rest if "=" not in a]
     if bad:
-        parser.error(f"unrecognised arguments {bad}; overrides look like env.n_envs=8")
+        raise ConfigError(f"unrecognised argument(s) {' '.join(bad)}: options are listed by {prog} --help, "
+                          "overrides look like env.n_envs=8")
     cfg = get_preset(args.preset)
     if args.config:
         cfg = load_yaml(cfg, args.config)
     cfg = apply_overrides(cfg, rest)
     if args.resume:
         cfg.run.resume = True
-    cfg.validate()
+    check_config(cfg)
     return args, cfg
 
 
-def main(argv: list[str] | None = None) -> int:
+# -- logging ---------------------------------------------------------------------------------
+
+
+class _Formatter(logging.Formatter):
+    """``[dvla] message``; warnings and errors say so; other ranks name themselves; loggers
+    outside dvla are named."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.tag = "dvla" if rank == 0 else f"dvla rank {rank}"
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
+        name = "" if record.name == "dvla" or record.name.startswith("dvla.") else f"{record.name}: "
+        text = f"[{self.tag}] {level}{name}{record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+def setup_logging(rank: int = 0, verbose: bool = False) -> None:
+    """dvla's loggers at INFO on rank 0 and WARNING on the others (DEBUG everywhere with
+    ``verbose``), other libraries' at ERROR (WARNING with ``verbose``), one concise line
+    each on stderr."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if getattr(h, "_dvla", False):
+            root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(rank))
+    handler._dvla = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING if verbose else logging.ERROR)
+    logging.getLogger("dvla").setLevel(logging.DEBUG if verbose else logging.INFO if rank == 0 else logging.WARNING)
+    logging.captureWarnings(verbose)
+
+
+# -- run directory ---------------------------------------------------------------------------
+
+
+def _choose_run_dir(cfg, restarts: int) -> tuple[Path, bool, Path | None]:
+    from dvla.checkpoint import CheckpointManager
+    from dvla.rundir import choose_run_dir, latest_run
+
+    previous = latest_run(cfg.run.out_dir)
+    run, resumed = choose_run_dir(cfg.run.out_dir, cfg.run.name, resume=cfg.run.resume, restarted=restarts > 0)
+    if cfg.run.resume and restarts == 0 and not CheckpointManager(run / "checkpoints").list():
+        raise ConfigError(f"--resume: no checkpoint in {run / 'checkpoints'} (that run saved none; "
+                          "run.save_every=N writes one every N updates)")
+    return run, resumed, previous
+
+
+class _RelayedError(ConfigError):
+    """Rank 0's configuration error, as the other ranks learn it."""
+
+
+def share_run_dir(cfg, rank: int, world: int, restarts: int) -> tuple[Path, bool, Path | None]:
+    """Rank 0 chooses the run directory (:mod:`dvla.rundir`) and tells the other ranks
+    through the torch.distributed store, so that every rank writes to the same one.
+    Returns ``(run directory, whether it continues a run, the previous latest run)``."""
+    if world == 1:
+        return _choose_run_dir(cfg, restarts)
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = "dvla/run_dir"
+    if rank == 0:
+        try:
+            run, resumed, previous = _choose_run_dir(cfg, restarts)
+        except ConfigError as exc:
+            store.set(key, json.dumps({"error": str(exc)}))
+            raise
+        store.set(key, json.dumps({"dir": str(run), "resumed": resumed}))
+        return run, resumed, previous
+    data = json.loads(store.get(key))
+    if "error" in data:
+        raise _RelayedError(data["error"])
+    return Path(data["dir"]), bool(data["resumed"]), None
+
+
+# -- the end of a run ------------------------------------------------------------------------
+
+
+def human_summary(summary: dict[str, Any], run_dir: str | os.PathLike) -> str:
+    """A few lines for the console: what was achieved, where it went, what to run next."""
+    done, total = summary.get("version", 0), summary.get("iterations", 0)
+    if summary.get("time_limit_reached"):
+        head = f"stopped at the time limit after {done} of {total} updates"
+    elif summary.get("stopped_early"):
+        head = f"stopped after {done} of {total} updates"
+    else:
+        head = f"done: {done} updates"
+    if summary.get("resumed_from"):
+        head += f" (resumed from update {summary['resumed_from']})"
+    parts = [f"{head} in {summary.get('wall_s', 0.0):.1f} s"]
+    if summary.get("final_success_rate") is not None:
+        parts.append(f"final success rate {summary['final_success_rate']:.2f}")
+    if summary.get("env_steps_per_s") is not None:
+        parts.append(f"{summary['env_steps_per_s']:.0f} env steps/s")
+    run = shlex.quote(str(run_dir))
+    return "\n".join([", ".join(parts), f"outputs: {run_dir}  (metrics.jsonl, summary.json, weights.safetensors)",
+                      f"next:    dvla report {run}"])
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def user_error(exc: BaseException) -> ConfigError | None:
+    """The configuration error behind ``exc`` (itself, or what a lane raised), else None."""
+    if isinstance(exc, ConfigError):
+        return exc
+    original = getattr(exc, "original", None)  # swimlane.LaneError
+    if isinstance(original, ConfigError):
+        return original
+    return None
+
+
+def _say_error(exc: BaseException, rank: int | None = None) -> None:
+    msg = " ".join(str(exc).split())  # one line, whatever the message
+    where = "" if not rank else f" (rank {rank})"
+    print(f"dvla: error{where}: {msg}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m dvla.launch") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     try:
-        args, cfg = parse_config(argv)
+        args, cfg = parse_config(argv, prog)
     except ConfigError as exc:
-        print(f"dvla: {exc}", file=sys.stderr)
-        return 2
+        if "--debug" in argv:
+            raise
+        if local_rank == 0:  # every rank of a torchrun job parses the same command line: say it once
+            _say_error(exc)
+        return EXIT_USER_ERROR
+    if args.verbose:
+        os.environ["DVLA_VERBOSE"] = "1"  # simulators read it (e.g. genesis' repeated warnings)
     if args.print_config:
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
+    return train(args, cfg)
+
+
+def train(args, cfg) -> int:
+    setup_logging(int(os.environ.get("RANK", "0") or 0), args.verbose)
     from swimlane import Swimlane
 
     rank, world = init_from_env()
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    stopped: list[bool] = []
+    run_dir = previous = None
+    resumed = False
     try:
+        run_dir, resumed, previous = share_run_dir(cfg, rank, world, restarts)
+        cfg.run.out_dir = str(run_dir)
         if world > 1 and cfg.run.device in ("auto", "cuda") and torch.cuda.is_available():
             cfg.run.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         lanes = Swimlane(cfg, rank=rank, world_size=world)
-        stopped = []
+        if rank == 0:
+            log.info("run directory: %s%s", run_dir, " (continuing it)" if resumed else "")
 
         def on_sigterm(*_):  # torchrun stops the group this way when a peer has died
             stopped.append(True)
@@ -78,7 +258,25 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, on_sigterm)
         summary = lanes.run()
-    except BaseException:
+    except KeyboardInterrupt:
+        print(f"dvla: interrupted{f'; partial results in {run_dir}' if run_dir is not None else ''}",
+              file=sys.stderr, flush=True)
+        if world == 1:
+            return 130
+        os._exit(130)
+    except BaseException as exc:
+        err = user_error(exc)
+        if err is not None and rank == 0 and run_dir is not None and not resumed:
+            from dvla.rundir import discard_new_run
+
+            discard_new_run(run_dir.parent, run_dir, previous)
+        if err is not None and not args.debug:
+            if not isinstance(err, _RelayedError) or int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+                _say_error(err, rank if world > 1 and not isinstance(err, _RelayedError) else None)
+            if world == 1:
+                return EXIT_USER_ERROR
+            sys.stdout.flush()
+            os._exit(EXIT_USER_ERROR)  # peers may wait in a collective: no teardown barrier
         if world == 1:
             raise
         # A peer may be blocked in a collective that can never complete now: report and
@@ -87,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(1)
     if rank == 0:
-        print(json.dumps(summary), flush=True)
+        print(human_summary(summary, run_dir), flush=True)
     if stopped and world > 1:
         # Stopped from outside: a peer may be gone, so no teardown barrier.
         sys.stdout.flush()

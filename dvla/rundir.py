@@ -1,0 +1,175 @@
+"""Run directories: every launch gets its own, so no run overwrites another.
+
+``run.out_dir`` is a *base* directory. ``dvla train`` (``python -m dvla.launch``) writes
+each new run to ``{out_dir}/{YYYYmmdd-HHMMSS}`` (``-2``, ``-3`` ... when that exists), or
+to ``{out_dir}/{run.name}`` when a name is given, and points the relative symlink
+``{out_dir}/latest`` at it (replaced atomically). ``--resume`` and torchrun restarts
+continue the run ``latest`` points to, or ``out_dir`` itself when it already is a run
+directory. ``dvla report`` / ``dvla trace`` without an argument find the newest run under
+``runs/``. ``Swimlane(cfg)`` and ``SyncTrainer(cfg)`` used from Python do none of this:
+they write to ``cfg.run.out_dir`` exactly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from pathlib import Path
+
+from dvla.config import ConfigError
+
+log = logging.getLogger("dvla.rundir")
+LATEST = "latest"
+_MARKERS = ("config.yaml", "checkpoints", "metrics.jsonl", "summary.json")
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a run (its ``config.yaml`` or ``checkpoints/``)."""
+    p = Path(path)
+    return (p / "config.yaml").is_file() or (p / "checkpoints").is_dir()
+
+
+def latest_run(base: str | os.PathLike) -> Path | None:
+    """The run ``base/latest`` points to (as ``base/<name>``), or None."""
+    link = Path(base) / LATEST
+    if link.is_symlink():
+        target = Path(os.readlink(link))
+        run = target if target.is_absolute() else Path(base) / target
+        return run if run.is_dir() else None
+    if link.is_dir():  # a filesystem without symlinks: a real directory named latest
+        return link
+    return None
+
+
+def point_latest(base: str | os.PathLike, run: str | os.PathLike) -> None:
+    """Make ``base/latest`` a relative symlink to ``run`` (a directory in ``base``),
+    replacing the old link atomically; warn where symlinks are not possible."""
+    base, run = Path(base), Path(run)
+    link = base / LATEST
+    tmp = base / f".{LATEST}.{os.getpid()}.tmp"
+    try:
+        if tmp.is_symlink() or tmp.exists():
+            tmp.unlink()
+        os.symlink(os.path.relpath(run, base), tmp)
+        os.replace(tmp, link)
+    except OSError as exc:
+        log.warning("could not point %s at %s: %s", link, run, exc)
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
+def new_run_dir(base: str | os.PathLike, name: str = "", now: float | None = None) -> Path:
+    """Create this run's directory under ``base`` (``name``, or a timestamp made unique with
+    a ``-N`` suffix), point ``base/latest`` at it and return it. A ``name`` that already
+    holds a run is a :class:`ConfigError` (``--resume`` continues it)."""
+    base = Path(base)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"run.out_dir: cannot create {base}: {exc.strerror or exc}") from None
+    if not base.is_dir():
+        raise ConfigError(f"run.out_dir: {base} is not a directory")
+    if name:
+        run = base / name
+        if is_run_dir(run):
+            raise ConfigError(f"run.name: {run} already holds a run; continue it with --resume, or choose "
+                              "another run.name")
+        run.mkdir(exist_ok=True)
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+        for i in itertools.count(1):
+            run = base / (stamp if i == 1 else f"{stamp}-{i}")
+            try:
+                run.mkdir()
+                break
+            except FileExistsError:
+                continue
+    point_latest(base, run)
+    return run
+
+
+def discard_new_run(base: str | os.PathLike, run: str | os.PathLike, previous: Path | None) -> None:
+    """Undo :func:`new_run_dir` for a run that failed before writing anything: remove its
+    (empty) directory and point ``latest`` back at ``previous`` (or remove it)."""
+    base, run = Path(base), Path(run)
+    try:
+        run.rmdir()  # only when empty
+    except OSError:
+        return
+    if latest_run(base) is None and (base / LATEST).is_symlink():
+        if previous is not None and previous.is_dir():
+            point_latest(base, previous)
+        else:
+            try:
+                (base / LATEST).unlink()
+            except OSError:
+                pass
+
+
+def resume_run_dir(base: str | os.PathLike, name: str = "") -> Path | None:
+    """The run to continue: ``base/name`` when a name is given, else the run ``base/latest``
+    points to, else ``base`` itself when it is a run directory; None when there is none."""
+    base = Path(base)
+    if name:
+        return base / name if (base / name).is_dir() else None
+    latest = latest_run(base)
+    if latest is not None:
+        return latest
+    return base if is_run_dir(base) else None
+
+
+def choose_run_dir(base: str | os.PathLike, name: str = "", resume: bool = False,
+                   restarted: bool = False) -> tuple[Path, bool]:
+    """The directory this launch writes to and whether it continues an existing run.
+    ``resume`` (``--resume``) requires a run to continue; a torchrun restart
+    (``restarted``) continues one where there is one, else starts a new one."""
+    if resume or restarted:
+        run = resume_run_dir(base, name)
+        if run is not None:
+            if run.parent == Path(base):  # latest: the run written to last
+                point_latest(base, run)
+            return run, True
+        if resume:
+            where = f"{Path(base) / name}" if name else f"{base} (no {Path(base) / LATEST}, and it is not a run directory)"
+            raise ConfigError(f"--resume: no run to continue in {where}; start a new run without --resume")
+    return new_run_dir(base, name), False
+
+
+def resolve_run_arg(path: str | os.PathLike) -> Path:
+    """A run directory from what a user typed: a base directory with ``latest`` means
+    its latest run; anything else is taken as given."""
+    p = Path(path)
+    return latest_run(p) or p
+
+
+def _mtime(run: Path) -> float:
+    times = [run.stat().st_mtime]
+    for m in _MARKERS:
+        try:
+            times.append((run / m).stat().st_mtime)
+        except OSError:
+            pass
+    return max(times)
+
+
+def find_latest_run(root: str | os.PathLike = "runs") -> Path | None:
+    """The newest run under ``root``: each base directory's ``latest`` run, and run
+    directories directly in ``root`` or one level down, newest by modification time."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    found: set[Path] = set()
+    candidates = [root] + sorted(p for p in root.iterdir() if p.is_dir() and p.name != LATEST)
+    for d in candidates:
+        latest = latest_run(d)
+        if latest is not None:
+            found.add(latest)
+        elif d is not root and is_run_dir(d):
+            found.add(d)
+    if not found:
+        return None
+    return max(found, key=_mtime)
