@@ -1,12 +1,15 @@
-"""The ``dvla`` command.
+"""The ``dvla`` command: train, inspect and plan runs.
 
     dvla train [--preset NAME] [KEY=VALUE ...]   train (same as python -m dvla.launch)
-    dvla report RUN_DIR [--out DIR]              plots (success, return, throughput, staleness,
+    dvla report [RUN_DIR] [--out DIR]            plots (success, return, throughput, staleness,
                                                  lanes, Gantt, memory) and a text summary
-    dvla trace RUN_DIR [--out PNG] [--last S]    lane utilisation and a swimlane Gantt chart
+    dvla trace [RUN_DIR] [--out PNG] [--last S]  lane utilisation and a swimlane Gantt chart
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
     dvla config-ref [--write README.md]          the configuration reference, from the code
     dvla bench [NAME [ARGS ...]]                 list the benchmarks, or run bench/NAME.py
+
+RUN_DIR defaults to the newest run under runs/; a base directory (run.out_dir) means
+its latest run.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ def trace_main(argv: list[str]) -> int:
 
     p = argparse.ArgumentParser(prog="dvla trace", description="Per-lane utilisation and idle time of a "
                                 "run's swimlane trace(s), and a Gantt chart PNG per rank.")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (default: the newest run under runs/)")
     p.add_argument("--out", help="PNG path for rank 0 (default: RUN_DIR/gantt.png; other ranks get "
                                  "gantt_rankN.png beside it)")
     p.add_argument("--last", type=float, default=0.0, help="only draw the last S seconds (0: all)")
@@ -78,41 +81,94 @@ def trace_main(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": "train a policy (python -m dvla.launch)", "report": "plots and a text summary of a run",
-            "trace": "lane utilisation and Gantt chart",
-            "plan": "placement and modelled broadcast cost for a cluster",
-            "config-ref": "configuration reference generated from the config dataclasses",
-            "bench": "list or run the benchmarks in bench/ (results: bench/RESULTS.md)"}
+COMMANDS = {
+    "train": "train a policy (same as python -m dvla.launch)",
+    "report": "plots and a text summary of a run",
+    "trace": "lane utilisation and a Gantt chart of a run",
+    "plan": "placement and modelled weight-broadcast cost on a cluster",
+    "config-ref": "the configuration reference, generated from the code",
+    "bench": "list the benchmarks in bench/, or run one",
+}
+
+
+def usage() -> str:
+    lines = ["usage: dvla COMMAND [ARGS ...]", "", "commands:"]
+    for cmd, what in COMMANDS.items():
+        lines.append(f"  dvla {cmd:<11} {what}")
+    lines += ["", "dvla COMMAND --help shows a command's options. report and trace take the newest run under",
+              "runs/ when no RUN_DIR is given. Quick start:",
+              "  dvla train --preset fast_reach      # writes runs/fast_reach/<time>, runs/fast_reach/latest",
+              "  dvla report                         # plots and a summary of that run"]
+    return "\n".join(lines)
+
+
+def resolve_run_argument(cmd: str, argv: list[str], value_options: tuple[str, ...]) -> list[str] | None:
+    """``argv`` of ``report`` / ``trace`` with its RUN_DIR resolved: absent, the newest run
+    under ``runs/`` (said on stderr); a base directory, its ``latest`` run. None (after a
+    message) when there is no run to use."""
+    from dvla.rundir import find_latest_run, resolve_run_arg
+
+    if any(a in ("-h", "--help") for a in argv):
+        return argv
+    i, positional = 0, None
+    while i < len(argv):
+        a = argv[i]
+        if a in value_options:
+            i += 2
+            continue
+        if not a.startswith("-"):
+            positional = i
+            break
+        i += 1
+    if positional is None:
+        run = find_latest_run("runs")
+        if run is None:
+            print(f"dvla {cmd}: no RUN_DIR given and no run found under runs/; pass a run directory "
+                  "(run.out_dir/<time>, or run.out_dir for its latest run)", file=sys.stderr)
+            return None
+        print(f"dvla {cmd}: using the newest run, {run}", file=sys.stderr)
+        return [str(run), *argv]
+    run = resolve_run_arg(argv[positional])
+    if str(run) != argv[positional]:
+        print(f"dvla {cmd}: using {run} ({argv[positional]}'s latest run)", file=sys.stderr)
+    return [*argv[:positional], str(run), *argv[positional + 1:]]
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__.strip())
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
+        print(usage())
         return 0
-    if not argv or argv[0] not in COMMANDS:
-        print(f"usage: dvla {{{','.join(COMMANDS)}}} ...\n\n{__doc__.strip()}", file=sys.stderr)
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return 2
+    if argv[0] not in COMMANDS:
+        what = "option" if argv[0].startswith("-") else "command"
+        print(f"dvla: unknown {what} {argv[0]!r}; commands: {', '.join(COMMANDS)} (dvla --help)", file=sys.stderr)
         return 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         from dvla.launch import main as train
 
-        return train(rest)
+        return train(rest, prog="dvla train")
     if cmd == "bench":
         return bench_main(rest)
-    if cmd == "report":
+    if cmd in ("report", "trace"):
+        resolved = resolve_run_argument(cmd, rest, ("--out",) if cmd == "report" else ("--out", "--last"))
+        if resolved is None:
+            return 2
+        if cmd == "trace":
+            return trace_main(resolved)
         from dvla.report import main as report
 
-        return report(rest)
+        return report(resolved)
     if cmd == "config-ref":
         from dvla.config_doc import main as config_ref
 
         return config_ref(rest)
-    if cmd == "plan":
-        from launch.planner import main as plan
+    from launch.planner import main as plan
 
-        return plan(rest)
-    return trace_main(rest)
+    return plan(rest)
 
 
 if __name__ == "__main__":
