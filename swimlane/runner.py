@@ -300,7 +300,8 @@ class Swimlane:
         self.version = self.resumed_from = int(m["version"])
         self._carried = {"counters": m["counters"], "env_steps": int(m["env_steps"])}
         if self.rank == 0:
-            log.warning("resumed from %s (version %d, restart %d)", ck.path, self.version, self.restarts)
+            (log.warning if self.restarts else log.info)("resumed from %s (version %d, restart %d)", ck.path,
+                                                         self.version, self.restarts)
             _truncate_metrics(self.out_dir / "metrics.jsonl", self.version)
 
     # -- set-up ----------------------------------------------------------------------------
