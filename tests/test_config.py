@@ -92,3 +92,63 @@ def test_switching_a_component_drops_the_presets_options():
     assert cfg.env.options == {"gym_id": "Pendulum-v1"}  # fast_reach's 'privileged' is gone
     same = apply_overrides(fast_reach(), ["env.name=fast_reach", "env.options.radius=0.2"])
     assert same.env.options == {"privileged": True, "radius": 0.2}  # same env: options merge
+
+
+def test_check_config_validates_components_without_building_them():
+    from dvla.launch import check_config
+
+    check_config(get_preset("debug"))
+    for override, match in [
+        ("policy.options.hiden_dim=3", r"policy\.options\.hiden_dim: unknown field; allowed: .*hidden_dim"),
+        ("policy.name=tiny", r"policy\.name: unknown policy 'tiny'; registered: .*tiny_vla"),
+        ("env.options.privilegd=true", r"env\.options\.privilegd: unknown option .*allowed: .*privileged"),
+        ("env.options.n_targets=9", r"env\.options\.n_targets: must be an integer in \[1, 4\]"),
+        ("env.name=genesis_reech", r"env\.name: unknown env 'genesis_reech'; registered: .*genesis_reach"),
+        ("env.name=gym", r"env\.options\.gym_id: required"),
+        ("env.options.substeps_per_action=0", None),  # fast_reach has no such option
+    ]:
+        with pytest.raises(ConfigError, match=match or "substeps_per_action"):
+            check_config(apply_overrides(get_preset("debug"), [override]))
+    genesis = apply_overrides(get_preset("genesis_reach"), ["env.options.substeps_per_action=0"])
+    with pytest.raises(ConfigError, match=r"env\.options\.substeps_per_action: must be an integer >= 1"):
+        check_config(genesis)  # genesis itself is not imported
+    gym = apply_overrides(get_preset("debug"), ["env.name=gym", "env.options.gym_id=NoSuchEnv-v3"])
+    with pytest.raises(ConfigError, match=r"env\.options\.gym_id: .*NoSuchEnv"):
+        check_config(gym)
+    check_config(apply_overrides(get_preset("debug"), ["env.name=gym", "env.options.gym_id=Pendulum-v1",
+                                                       "algo.name=ppo"]))
+
+
+def test_run_fields():
+    with pytest.raises(ConfigError, match=r"run\.iterations: must be >= 1, got 0"):
+        apply_overrides(get_preset("debug"), ["run.iterations=0"]).validate()
+    for bad in ("a/b", "latest", ".hidden"):
+        with pytest.raises(ConfigError, match=r"run\.name: must be a plain directory name"):
+            apply_overrides(get_preset("debug"), [f"run.name={bad}"]).validate()
+    apply_overrides(get_preset("debug"), ["run.name=exp-1"]).validate()
+
+
+def test_validation_errors_are_one_line():
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(get_preset("debug"), ["env.n_envs=-3", "algo.lr=-1"]).validate()
+    msg = str(info.value)
+    assert "\n" not in msg and "env.n_envs: must be >= 1" in msg and "algo.lr: must be > 0" in msg
+
+
+def test_yaml_errors_name_the_file_and_position(tmp_path):
+    with pytest.raises(ConfigError, match=r"nope\.yaml: no such config file"):
+        load_yaml(JobConfig(), tmp_path / "nope.yaml")
+    path = tmp_path / "bad.yaml"
+    path.write_text("env:\n  n_envs: 8\n  image_size: [16\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:4:1: invalid YAML: "):
+        load_yaml(JobConfig(), path)
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: expected a mapping of config sections"):
+        load_yaml(JobConfig(), path)
+
+
+def test_command_line_mistakes_are_config_errors():
+    with pytest.raises(ConfigError, match=r"unrecognised argument\(s\) --nope 5"):
+        parse_config(["--preset", "debug", "--nope", "5"])
+    with pytest.raises(ConfigError, match=r"--preset: expected one argument"):
+        parse_config(["--preset"])
