@@ -25,8 +25,10 @@
 #   PRESET=fast_reach  OUT_DIR=runs/examples/multinode  SAVE_EVERY=5  MAX_RESTARTS=3
 #   PYTHON=python (used when torchrun is not on PATH, and for the demo's helpers)
 # Arguments after the options are dvla overrides (KEY=VALUE), passed to every rank.
-# OUT_DIR should be on a filesystem every node shares: rank 0 writes metrics, summary.json and
-# checkpoints there, the other ranks their summary_rank{N}.json. Only run on a private network:
+# OUT_DIR should be on a filesystem every node shares: each run gets its own directory in it,
+# OUT_DIR/<YYYYmmdd-HHMMSS> (OUT_DIR/latest points to the newest; run.name=NAME fixes it), where
+# rank 0 writes metrics, summary.json and checkpoints, the other ranks their summary_rank{N}.json;
+# a restarted worker group continues OUT_DIR/latest. Only run on a private network:
 # torch.distributed's store and gloo/NCCL traffic are neither authenticated nor encrypted.
 set -euo pipefail
 
@@ -85,10 +87,7 @@ case "$mode" in
   demo)
     port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     rdzv_id="dvla-demo-$$"
-    mkdir -p "$OUT_DIR"
-    # A fresh demo: per-rank summaries of a bigger earlier run would linger.
-    rm -f "$OUT_DIR"/summary_rank*.json
-    echo "demo: 2 nodes x $NPROC_PER_NODE processes, rendezvous 127.0.0.1:$port, output in $OUT_DIR"
+    echo "demo: 2 nodes x $NPROC_PER_NODE processes, rendezvous 127.0.0.1:$port, output in $OUT_DIR/<time> (then $OUT_DIR/latest)"
     pids=()
     stop_nodes() { for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done; }
     trap 'stop_nodes; exit 130' INT TERM
@@ -109,7 +108,7 @@ case "$mode" in
     fi
     "$PYTHON" - "$OUT_DIR" <<'EOF'
 import json, pathlib, sys
-out = pathlib.Path(sys.argv[1])
+out = pathlib.Path(sys.argv[1]) / "latest"  # this run's directory
 s0 = json.loads((out / "summary.json").read_text())
 hosts = {0: s0["host"]}
 for f in out.glob("summary_rank*.json"):
@@ -119,6 +118,7 @@ tree = s0["placement"]["tree"]
 print(f"demo: {s0['version']} updates, final success {s0['final_success_rate']:.2f}")
 print("demo: ranks by host:", {h: sorted(r for r in hosts if hosts[r] == h) for h in sorted(set(hosts.values()))})
 print(f"demo: broadcast tree leaders {tree['leaders']}, local groups {tree['local_groups']}")
+print(f"demo: outputs in {out.resolve()}")
 EOF
     ;;
 esac

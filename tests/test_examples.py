@@ -115,6 +115,7 @@ def test_multinode_demo_runs_two_nodes(tmp_path):
                  cwd=tmp_path, timeout=180, env=env)
     assert "[nodeA]" in stdout and "[nodeB]" in stdout
 
+    out = out / "latest"  # the run's own directory under OUT_DIR
     s0 = json.loads((out / "summary.json").read_text())
     others = [json.loads((out / f"summary_rank{r}.json").read_text()) for r in (1, 2, 3)]
     assert s0["version"] == 4 and s0["error"] is None

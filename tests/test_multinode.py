@@ -27,7 +27,7 @@ def test_two_nodes_train_together_over_the_tree(tmp_path):
                "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                "--rdzv_id=dvla-two-nodes", "-m", "dvla.launch", "--preset", "fast_reach", "run.iterations=30",
                "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=1", "swimlane.chunks_per_update=2",
-               "run.progress=false", "run.torch_threads=1", f"run.out_dir={out}"]
+               "run.progress=false", "run.torch_threads=1", f"run.out_dir={out.parent}", f"run.name={out.name}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "DVLA_FAKE_HOSTNAME": f"node{node}"}
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -40,6 +40,10 @@ def test_two_nodes_train_together_over_the_tree(tmp_path):
             if p.poll() is None:
                 p.kill()
     assert all(p.returncode == 0 for p in procs), "\n=====\n".join(log[-6000:] for log in logs)
+    # Rank 0 (on whichever node) logs the hosts and the placement, once; the others stay quiet.
+    text = "\n".join(logs)
+    assert text.count("[dvla] topology: 2 hosts, 4 ranks") == 1 and text.count("[dvla] placement:") == 1, text[-6000:]
+    assert text.count(f"outputs: {out}") == 1
 
     s = {0: json.loads((out / "summary.json").read_text())}
     for r in (1, 2, 3):

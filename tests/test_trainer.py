@@ -60,8 +60,10 @@ def _run(cmd, tmp_path, timeout=300):
 def test_launch_module(tmp_path):
     proc = _run([sys.executable, "-m", "dvla.launch", "--preset", "debug", "run.iterations=2",
                  f"run.out_dir={tmp_path / 'a'}"], tmp_path)
-    assert json.loads(proc.stdout.strip().splitlines()[-1])["version"] == 2
-    assert len(read_metrics(tmp_path / "a" / "metrics.jsonl")) == 2
+    run = tmp_path / "a" / "latest"  # each launch writes a run directory of its own under run.out_dir
+    assert f"dvla report {tmp_path / 'a'}/" in proc.stdout
+    assert json.loads((run / "summary.json").read_text())["version"] == 2
+    assert len(read_metrics(run / "metrics.jsonl")) == 2
 
 
 def test_launch_bad_config_is_a_clear_error(tmp_path):
@@ -69,14 +71,15 @@ def test_launch_bad_config_is_a_clear_error(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "env.n_envs: must be >= 1, got -3" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_torchrun_launch(tmp_path, nproc):
     out = tmp_path / "t"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-          "-m", "dvla.launch", "--preset", "debug", "run.iterations=2", f"run.out_dir={out}"], tmp_path)
+          "-m", "dvla.launch", "--preset", "debug", "run.iterations=2", f"run.out_dir={tmp_path}",
+          f"run.name={out.name}"], tmp_path)
     rows = read_metrics(out / "metrics.jsonl")
     assert len(rows) == 2
     assert rows[-1]["world_size"] == nproc
