@@ -13,14 +13,22 @@ through EGL (``PYOPENGL_PLATFORM=egl`` is set when there is no ``DISPLAY``); ren
 costs far more than physics (bench/RESULTS.md), which is exactly the load the
 swimlane overlaps with model work. ``render=false`` skips the camera.
 
+The camera draws the robot's collision geometry (``options.vis_mode="collision"``, the
+default): on a software rasteriser its detailed visual meshes cost about three times as
+much per image (bench/RESULTS.md), and the coarse shapes show the arm just as well to a
+64-pixel camera. ``vis_mode="visual"`` draws the visual meshes.
+
 genesis compiles its kernels on the first ``scene.build`` (~100 s, cached under
-``$XDG_CACHE_HOME/quadrants``; later builds ~8 s). The cache key includes the
-``gs.init`` seed and ``QD_NUM_THREADS``, so we never pass the job seed to ``gs.init``
-(randomness comes from torch generators) and leave ``QD_NUM_THREADS`` alone.
+``$XDG_CACHE_HOME/quadrants``; later builds ~8 s); a line says so before the first build
+of a process. The cache key includes the ``gs.init`` seed and ``QD_NUM_THREADS``, so we
+never pass the job seed to ``gs.init`` (randomness comes from torch generators) and leave
+``QD_NUM_THREADS`` alone. genesis' warnings about the shipped Franka model repeat at every
+scene build; they are shown once each, and only with ``--verbose`` (``DVLA_VERBOSE=1``).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -38,8 +46,47 @@ KV = (450, 450, 350, 350, 200, 200, 200, 10, 10)
 DOWN_QUAT = (0.0, 1.0, 0.0, 0.0)  # wxyz: gripper pointing at the table
 TIP_OFFSET = 0.105  # metres from the hand link origin down to the fingertip centre
 
+log = logging.getLogger("dvla.envs.genesis")
 _init_lock = threading.Lock()
 _backend: str | None = None
+_built_once = False
+
+
+class _OncePerMessage(logging.Filter):
+    """Pass each distinct genesis message once per process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if msg in self.seen:
+            return False
+        self.seen.add(msg)
+        return True
+
+
+def kernel_cache_dir() -> str:
+    """Where quadrants (genesis' kernel compiler) caches compiled kernels."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "quadrants")
+
+
+def announce_build() -> None:
+    """One line before this process's first scene build: a cold kernel cache means minutes
+    of silence otherwise."""
+    global _built_once
+    with _init_lock:
+        if _built_once:
+            return
+        _built_once = True
+    cache = kernel_cache_dir()
+    if os.path.isdir(cache) and any(os.scandir(cache)):
+        log.info("building the genesis scene (simulator kernels cached in %s)", cache)
+    else:
+        log.warning("compiling simulator kernels, first run only: about 2 minutes on 2 cores "
+                    "(cached in %s for later runs)", cache)
 
 
 def ensure_genesis(device: torch.device) -> None:
@@ -52,12 +99,14 @@ def ensure_genesis(device: torch.device) -> None:
 
     with _init_lock:
         if _backend is None:
+            verbose = os.environ.get("DVLA_VERBOSE", "") not in ("", "0")
             gs.init(
                 backend=gs.gpu if want == "gpu" else gs.cpu,
-                logging_level="warning",
+                logging_level="warning" if verbose else "error",
                 precision="32",
                 performance_mode=False,
             )
+            logging.getLogger("genesis").addFilter(_OncePerMessage())
             _backend = want
         elif _backend != want:
             raise RuntimeError(
@@ -68,7 +117,9 @@ def ensure_genesis(device: torch.device) -> None:
 class GenesisFrankaEnv(GoalEnv):
     """Common scene and control for the Franka tasks."""
 
-    OPTIONS = {"max_delta": 0.05, "substeps_per_action": 4, "dt": 0.01, "privileged": False}
+    OPTIONS = {"max_delta": 0.05, "substeps_per_action": 4, "dt": 0.01, "privileged": False,
+               "vis_mode": "collision"}
+    VIS_MODES = ("collision", "visual")
     task_object = "sphere"
 
     @classmethod
@@ -87,6 +138,9 @@ class GenesisFrankaEnv(GoalEnv):
         if self.substeps < 1:
             raise ConfigError(f"env.options.substeps_per_action: must be >= 1, got {self.substeps}")
         self.privileged = bool(opts["privileged"])
+        if opts["vis_mode"] not in self.VIS_MODES:
+            raise ConfigError(f"env.options.vis_mode: must be one of {', '.join(self.VIS_MODES)}, "
+                              f"got {opts['vis_mode']!r}")
         ensure_genesis(self.device)
         import genesis as gs
 
@@ -97,7 +151,8 @@ class GenesisFrankaEnv(GoalEnv):
             show_viewer=False,
         )
         self.scene.add_entity(gs.morphs.Plane())
-        self.robot = self.scene.add_entity(gs.morphs.MJCF(file="xml/franka_emika_panda/panda.xml"))
+        self.robot = self.scene.add_entity(gs.morphs.MJCF(file="xml/franka_emika_panda/panda.xml"),
+                                           vis_mode=opts["vis_mode"])
         red = gs.surfaces.Default(color=(0.9, 0.1, 0.1))
         if self.task_object == "sphere":
             self.obj = self.scene.add_entity(
@@ -113,6 +168,7 @@ class GenesisFrankaEnv(GoalEnv):
             self.camera = self.scene.add_camera(
                 res=(s, s), pos=(1.25, 0.0, 0.75), lookat=(0.45, 0.0, 0.15), fov=45, GUI=False
             )
+        announce_build()
         self.scene.build(n_envs=self.n_envs)
         self.hand = self.robot.get_link("hand")
         self.robot.set_dofs_kp(torch.tensor(KP, dtype=torch.float32))
