@@ -51,7 +51,7 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Backend-specific options, validated by the env itself. fast_reach: ``n_targets,
     max_delta, radius, privileged, render_cost_ms``; genesis: ``max_delta,
-    substeps_per_action, dt, privileged``; gym: ``gym_id, instruction, image_key,
+    substeps_per_action, dt, privileged, vis_mode, action_mode``; gym: ``gym_id, instruction, image_key,
     make_kwargs``."""
 
     def _validate(self) -> list[tuple[str, str]]:

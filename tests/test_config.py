@@ -112,6 +112,11 @@ def test_check_config_validates_components_without_building_them():
     genesis = apply_overrides(get_preset("genesis_reach"), ["env.options.substeps_per_action=0"])
     with pytest.raises(ConfigError, match=r"env\.options\.substeps_per_action: must be an integer >= 1"):
         check_config(genesis)  # genesis itself is not imported
+    for override, match in [("env.options.vis_mode=wireframe", r"env\.options\.vis_mode: must be one of collision, visual, got 'wireframe'"),
+                            ("env.options.action_mode=joint", r"env\.options\.action_mode: must be one of delta, target, got 'joint'"),
+                            ("env.options.dt=-1", r"env\.options\.dt: must be a number > 0, got -1")]:
+        with pytest.raises(ConfigError, match=match):
+            check_config(apply_overrides(get_preset("genesis_reach"), [override]))
     gym = apply_overrides(get_preset("debug"), ["env.name=gym", "env.options.gym_id=NoSuchEnv-v3"])
     with pytest.raises(ConfigError, match=r"env\.options\.gym_id: .*NoSuchEnv"):
         check_config(gym)

@@ -37,7 +37,7 @@ def test_env_spec_without_building_matches_the_built_env(monkeypatch):
         assert env_spec(cfg) == spec
     monkeypatch.setitem(ENV_REGISTRY, "genesis_reach", no_build)
     assert env_spec(EnvConfig(name="genesis_reach", image_size=48, options={"privileged": True})) == EnvSpec(
-        image_shape=(3, 48, 48), proprio_dim=15, action_dim=4)  # tests/test_genesis.py checks a built one
+        image_shape=(3, 48, 48), proprio_dim=18, action_dim=4)  # tests/test_genesis.py checks a built one
     with pytest.raises(ConfigError, match="unknown option"):
         env_spec(EnvConfig(name="fast_reach", options={"colour": 1}))
 

@@ -92,14 +92,7 @@ def _genesis_check(cfg: EnvConfig) -> None:
     from dvla.envs.genesis_env import GenesisFrankaEnv
 
     check_option_keys(cfg, GenesisFrankaEnv.OPTIONS)
-    opts = GenesisFrankaEnv.options_of(cfg, GenesisFrankaEnv.OPTIONS)
-    sub = opts["substeps_per_action"]
-    if isinstance(sub, bool) or not isinstance(sub, int) or sub < 1:
-        raise ConfigError(f"env.options.substeps_per_action: must be an integer >= 1, got {sub!r}")
-    for key in ("max_delta", "dt"):
-        v = opts[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-            raise ConfigError(f"env.options.{key}: must be a number > 0, got {v!r}")
+    GenesisFrankaEnv.check_config(cfg)
 
 
 def _gym_check(cfg: EnvConfig) -> None:

@@ -4,10 +4,20 @@ Scene: ground plane, a Franka Panda (``xml/franka_emika_panda/panda.xml``, shipp
 genesis), and a task object (a red target sphere that does not collide, or a red
 cube). ``n_envs`` copies are simulated as one batch.
 
-Action (D=4, in [-1, 1]): end-effector translation ``dx, dy, dz`` (scaled by
-``options.max_delta`` metres per control step, gripper pointing down, solved with
-batched inverse kinematics) and the gripper command (> 0 closes).
-Proprio: 9 joint positions + fingertip position (12).
+Action (D=4, in [-1, 1]): the commanded fingertip position and the gripper command (> 0
+closes), with the gripper pointing down, solved with batched inverse kinematics. With
+``options.action_mode="delta"`` (the default) the first three move the commanded position
+by up to ``options.max_delta`` metres per control step (OpenVLA-style end-effector
+deltas); with ``"target"`` they name the commanded position itself, scaled to the box
+``TARGET_LO``-``TARGET_HI`` above the table (a position-target controller: one decision
+says where to go, and the arm gets there over the next control steps).
+Proprio: 9 joint positions, the fingertip position and the commanded fingertip position
+(15; actions move the commanded position, which the arm follows with some lag, so a
+policy must see it to act without overshooting), plus the goal with
+``options.privileged=true`` (18). Positions are in workspace units: 0 at the centre of the
+``TARGET_LO``-``TARGET_HI`` box and +-1 at its faces (metres would give a network inputs
+that vary by a few hundredths, which it learns from slowly), the same scale as
+``action_mode="target"``'s actions.
 Camera: one RGB camera per env (``VisOptions(split_envs=True)``), rendered on the CPU
 through EGL (``PYOPENGL_PLATFORM=egl`` is set when there is no ``DISPLAY``); rendering
 costs far more than physics (bench/RESULTS.md), which is exactly the load the
@@ -117,30 +127,45 @@ def ensure_genesis(device: torch.device) -> None:
 class GenesisFrankaEnv(GoalEnv):
     """Common scene and control for the Franka tasks."""
 
-    OPTIONS = {"max_delta": 0.05, "substeps_per_action": 4, "dt": 0.01, "privileged": False,
-               "vis_mode": "collision"}
+    OPTIONS = {"max_delta": 0.08, "substeps_per_action": 8, "dt": 0.01, "privileged": False,
+               "vis_mode": "collision", "action_mode": "delta"}
     VIS_MODES = ("collision", "visual")
+    ACTION_MODES = ("delta", "target")
+    WORKSPACE_LO, WORKSPACE_HI = (0.25, -0.45, 0.005), (0.85, 0.45, 0.6)  # commanded positions are clamped here
+    TARGET_LO, TARGET_HI = (0.3, -0.3, 0.05), (0.75, 0.3, 0.45)  # action_mode=target maps [-1, 1] here
     task_object = "sphere"
 
     @classmethod
     def spec_for(cls, cfg: EnvConfig) -> EnvSpec:
-        """Joint positions (9), fingertip position (3), and the goal (3) when privileged;
-        end-effector deltas (3) and a gripper command (1)."""
+        """Joint positions (9), fingertip position (3), commanded fingertip position (3), and
+        the goal (3) when privileged; end-effector deltas (3) and a gripper command (1)."""
         privileged = bool(cls.options_of(cfg, cls.OPTIONS)["privileged"])
         s = cfg.image_size
-        return EnvSpec(image_shape=(3, s, s), proprio_dim=12 + (3 if privileged else 0), action_dim=4)
+        return EnvSpec(image_shape=(3, s, s), proprio_dim=15 + (3 if privileged else 0), action_dim=4)
+
+    @classmethod
+    def check_config(cls, cfg: EnvConfig) -> dict:
+        """``cfg.options`` over the defaults, checked without building a scene (ConfigError)."""
+        opts = cls.options_of(cfg, cls.OPTIONS)
+        sub = opts["substeps_per_action"]
+        if isinstance(sub, bool) or not isinstance(sub, int) or sub < 1:
+            raise ConfigError(f"env.options.substeps_per_action: must be an integer >= 1, got {sub!r}")
+        for key in ("max_delta", "dt"):
+            v = opts[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise ConfigError(f"env.options.{key}: must be a number > 0, got {v!r}")
+        for key, allowed in (("vis_mode", cls.VIS_MODES), ("action_mode", cls.ACTION_MODES)):
+            if opts[key] not in allowed:
+                raise ConfigError(f"env.options.{key}: must be one of {', '.join(allowed)}, got {opts[key]!r}")
+        return opts
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)
-        opts = self._options(self.OPTIONS)
+        opts = self.check_config(cfg)
         self.max_delta = float(opts["max_delta"])
         self.substeps = int(opts["substeps_per_action"])
-        if self.substeps < 1:
-            raise ConfigError(f"env.options.substeps_per_action: must be >= 1, got {self.substeps}")
         self.privileged = bool(opts["privileged"])
-        if opts["vis_mode"] not in self.VIS_MODES:
-            raise ConfigError(f"env.options.vis_mode: must be one of {', '.join(self.VIS_MODES)}, "
-                              f"got {opts['vis_mode']!r}")
+        self.action_mode = opts["action_mode"]
         ensure_genesis(self.device)
         import genesis as gs
 
@@ -199,9 +224,15 @@ class GenesisFrankaEnv(GoalEnv):
         self._gripper = torch.full((self.n_envs,), 0.04, device=self.device)
 
     def _apply(self, action: Tensor) -> None:
-        lo = torch.tensor([0.25, -0.45, 0.005], device=self.device)
-        hi = torch.tensor([0.85, 0.45, 0.6], device=self.device)
-        self.ee_target = torch.maximum(torch.minimum(self.ee_target + self.max_delta * action[:, :3], hi), lo)
+        lo = torch.tensor(self.WORKSPACE_LO, device=self.device)
+        hi = torch.tensor(self.WORKSPACE_HI, device=self.device)
+        if self.action_mode == "target":
+            t_lo = torch.tensor(self.TARGET_LO, device=self.device)
+            t_hi = torch.tensor(self.TARGET_HI, device=self.device)
+            target = t_lo + (action[:, :3] + 1.0) * 0.5 * (t_hi - t_lo)
+        else:
+            target = self.ee_target + self.max_delta * action[:, :3]
+        self.ee_target = torch.maximum(torch.minimum(target, hi), lo)
         hand_target = self.ee_target + self._tip
         q = self.robot.inverse_kinematics(link=self.hand, pos=hand_target, quat=self._down)
         q = q.to(self.device).clone()
@@ -211,13 +242,20 @@ class GenesisFrankaEnv(GoalEnv):
         for _ in range(self.substeps):
             self.scene.step()
 
+    def workspace_units(self, pos: Tensor) -> Tensor:
+        """Positions in metres -> 0 at the target box's centre, +-1 at its faces."""
+        lo = torch.tensor(self.TARGET_LO, device=pos.device)
+        hi = torch.tensor(self.TARGET_HI, device=pos.device)
+        return (pos - (lo + hi) * 0.5) / ((hi - lo) * 0.5)
+
     def tip_pos(self) -> Tensor:
         """Fingertip centre ``(B, 3)``, assuming the gripper points down."""
         return self.hand.get_pos().to(self.device) - self._tip
 
     def _observe(self) -> Observation:
         qpos = self.robot.get_dofs_position().to(self.device)
-        parts = [qpos, self.tip_pos()] + ([self.goal] if self.privileged else [])
+        parts = [qpos] + [self.workspace_units(p) for p in
+                          [self.tip_pos(), self.ee_target] + ([self.goal] if self.privileged else [])]
         if self.camera is not None:
             rgb = np.asarray(self.camera.render(rgb=True)[0])
             if rgb.ndim == 3:
