@@ -24,9 +24,9 @@ costs far more than physics (bench/RESULTS.md), which is exactly the load the
 swimlane overlaps with model work. ``render=false`` skips the camera.
 
 The camera draws the robot's collision geometry (``options.vis_mode="collision"``, the
-default): on a software rasteriser its detailed visual meshes cost about three times as
-much per image (bench/RESULTS.md), and the coarse shapes show the arm just as well to a
-64-pixel camera. ``vis_mode="visual"`` draws the visual meshes.
+default): on a software rasteriser its detailed visual meshes cost about nine times as
+much per image (``bench/genesis_render.py``: 2 against 19 ms per 64-pixel image on two
+cores), and the coarse shapes show the arm just as well to a 64-pixel camera. ``vis_mode="visual"`` draws the visual meshes.
 
 genesis compiles its kernels on the first ``scene.build`` (~100 s, cached under
 ``$XDG_CACHE_HOME/quadrants``; later builds ~8 s); a line says so before the first build
