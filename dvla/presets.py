@@ -2,7 +2,8 @@
 
 * ``debug``: seconds on a CPU; the pure-torch env and a small model (tests use it).
 * ``fast_reach``: learns the pure-torch reaching task in about a minute on a CPU.
-* ``genesis_reach`` (the default): Franka Panda reaching in genesis-world, camera RGB.
+* ``genesis_reach`` (the default): Franka Panda reaching in genesis-world, camera RGB; learns
+  in about 3 minutes on two CPU cores.
 * ``genesis_lift``: Franka Panda picks up a cube and lifts it.
 """
 
@@ -42,10 +43,21 @@ def fast_reach() -> JobConfig:
 
 def genesis_reach() -> JobConfig:
     return JobConfig(
-        env=EnvConfig(name="genesis_reach", n_envs=8, episode_len=20, image_size=64, reward_shaping=1.0),
-        policy=PolicyConfig(name="tiny_vla", action_chunk=2, options={"n_bins": 64}),
-        algo=AlgoConfig(name="grpo", group_size=4, lr=3e-4, update_epochs=2, minibatches=2),
-        run=RunConfig(iterations=10, out_dir="runs/genesis_reach"),
+        # Camera RGB and the instruction go into the policy, and the goal also comes as
+        # proprio ("privileged"), so that the job learns within minutes on two CPU cores
+        # (README: success from about 0.05 to about 0.9 in 60 updates, under 3 minutes).
+        # env.options.privileged=false leaves the goal to the pixels: far slower (one run of
+        # 200 updates at 32 px: success 0.04 -> 0.17, mean of the first and last 20 updates).
+        env=EnvConfig(name="genesis_reach", n_envs=64, episode_len=10, image_size=64, reward_shaping=1.0,
+                      options={"privileged": True}),
+        policy=PolicyConfig(
+            name="tiny_vla",
+            options={"hidden_dim": 64, "vision_channels": 16, "embed_dim": 16, "head": "gaussian",
+                     "init_log_std": -1.0},
+        ),
+        algo=AlgoConfig(name="grpo", group_size=4, lr=1e-3, update_epochs=2, minibatches=4),
+        # A guard for slow machines: stop (checkpoint, summary) after 9 minutes of training.
+        run=RunConfig(iterations=60, out_dir="runs/genesis_reach", time_limit_s=540.0),
     )
 
 

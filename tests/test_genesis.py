@@ -9,8 +9,10 @@ import torch
 
 from dvla.config import EnvConfig, apply_overrides
 from dvla.envs import env_spec, make_env
+from dvla.metrics import read_metrics
 from dvla.presets import genesis_reach
 from dvla.trainer import SyncTrainer
+from swimlane.runner import Swimlane
 
 pytest.importorskip("genesis")
 pytestmark = pytest.mark.genesis
@@ -39,10 +41,10 @@ def scripted(env, gain=1.0, grip=-1.0):
 def test_reach_scene_builds_and_observes(reach_env):
     env = reach_env
     obs = env.reset(group_size=2)
-    assert env.spec.action_dim == 4 and env.spec.proprio_dim == 12
+    assert env.spec.action_dim == 4 and env.spec.proprio_dim == 15
     assert env_spec(env.cfg) == env.spec  # what a learner-only rank reads without a scene
     assert obs.image.shape == (4, 3, 32, 32) and obs.image.dtype == torch.uint8
-    assert obs.proprio.shape == (4, 12) and torch.isfinite(obs.proprio).all()
+    assert obs.proprio.shape == (4, 15) and torch.isfinite(obs.proprio).all()
     assert obs.instruction[0] == "move the gripper to the red ball"
     # One camera image per env: group members (same goal) look the same, other groups differ.
     assert torch.equal(obs.image[0], obs.image[1])
@@ -85,6 +87,31 @@ def test_reach_action_chunks(reach_env):
     assert (rise > 0.03).all(), rise
 
 
+def test_reach_target_mode_and_workspace_units():
+    """action_mode=target: an action names the commanded fingertip position in workspace
+    units, so acting with the goal's own coordinates (privileged proprio) reaches it."""
+    cfg = EnvConfig(name="genesis_reach", n_envs=4, render=False, reward_shaping=1.0,
+                    options={"action_mode": "target", "privileged": True})
+    env = make_env(cfg, seed=1)
+    try:
+        obs = env.reset(group_size=2)
+        assert env.spec.proprio_dim == 18
+        goal_units = obs.proprio[:, 15:18]
+        torch.testing.assert_close(goal_units, env.workspace_units(env.goal))
+        assert goal_units.abs().max() <= 1.0  # goals lie inside the target box
+        # The commanded position is observed (proprio 12:15) and follows the action at once.
+        act = torch.cat([goal_units, torch.full((4, 1), -1.0)], dim=-1)
+        res = env.step(act)
+        torch.testing.assert_close(res.obs.proprio[:, 12:15], goal_units, atol=1e-5, rtol=0)
+        for _ in range(8):
+            if env.done.all():
+                break
+            res = env.step(act)
+        assert res.success.all(), env._distance()
+    finally:
+        env.close()
+
+
 def test_lift_cube_rests_then_counts_lift(lift_env):
     env = lift_env
     env.reset()
@@ -110,3 +137,18 @@ def test_sync_training_on_genesis(tmp_path):
     summary = SyncTrainer(cfg).run()
     assert summary["version"] == 2 and summary["env_steps"] > 0
     assert (tmp_path / "weights.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_the_default_job_learns_without_its_camera(tmp_path):
+    """The default preset, shortened: the camera off (rendering is what makes the README run
+    take minutes), everything else as the README command runs it. Success rises from chance
+    to most episodes (bench/RESULTS.md records the full run with the camera)."""
+    cfg = apply_overrides(genesis_reach(), ["env.render=false", "run.iterations=36", "run.progress=false",
+                                           f"run.out_dir={tmp_path}"])
+    summary = Swimlane(cfg).run()
+    assert summary["version"] == 36
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    success = [r["success_rate"] for r in rows]
+    first, last = sum(success[:5]) / 5, sum(success[-5:]) / 5
+    assert first <= 0.2 and last >= 0.5, (first, last, success)
