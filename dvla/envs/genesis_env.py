@@ -28,7 +28,7 @@ default): on a software rasteriser its detailed visual meshes cost about nine ti
 much per image (``bench/genesis_render.py``: 2 against 19 ms per 64-pixel image on two
 cores), and the coarse shapes show the arm just as well to a 64-pixel camera. ``vis_mode="visual"`` draws the visual meshes.
 
-genesis compiles its kernels on the first ``scene.build`` (~100 s, cached under
+genesis compiles its kernels on the first ``scene.build`` (1-2 minutes, cached under
 ``$XDG_CACHE_HOME/quadrants``; later builds ~8 s); a line says so before the first build
 of a process. The cache key includes the ``gs.init`` seed and ``QD_NUM_THREADS``, so we
 never pass the job seed to ``gs.init`` (randomness comes from torch generators) and leave
@@ -95,7 +95,7 @@ def announce_build() -> None:
     if os.path.isdir(cache) and any(os.scandir(cache)):
         log.info("building the genesis scene (simulator kernels cached in %s)", cache)
     else:
-        log.warning("compiling simulator kernels, first run only: about 2 minutes on 2 cores "
+        log.warning("compiling simulator kernels, first run only: 1-2 minutes on 2 cores "
                     "(cached in %s for later runs)", cache)
 
 
