@@ -276,6 +276,13 @@ class SwimlaneConfig:
             errs.append(("gradient_nice", f"must be in [0, 19], got {self.gradient_nice}"))
         if self.mode == "sync" and self.broadcast_every != 1:
             errs.append(("broadcast_every", f"must be 1 in sync mode, got {self.broadcast_every}"))
+        elif self.max_staleness < self.broadcast_every - 1:
+            # Between two publishes the learner moves up to broadcast_every - 1 versions
+            # past the newest weights any rollout has; with less staleness allowed it would
+            # drop everything sampled and wait for data that can never come.
+            errs.append(("max_staleness", f"must be >= broadcast_every - 1 = {self.broadcast_every - 1} "
+                                          f"(rollouts only see every {self.broadcast_every}th version), "
+                                          f"got {self.max_staleness}"))
         return errs
 
 

@@ -7,6 +7,7 @@ and gradients are averaged with an all-reduce, so all replicas stay identical.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -56,6 +57,16 @@ def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGr
 def save_weights(policy: VLAPolicy, path: str | Path, version: int) -> None:
     """Write the policy's weights as safetensors, with its version and registry name."""
     save_safetensors(policy.state_dict(), path, {"version": str(version), "policy": str(policy.registry_name)})
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A short hash of every parameter and buffer's bytes, in state-dict order: ranks that
+    should hold identical weights (learners averaging gradients) report the same digest."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def mean_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:

@@ -60,7 +60,7 @@ from dvla.envs import env_spec, make_env
 from dvla.metrics import MetricsLogger
 from dvla.policy import ActOutput, PolicySpec, build_policy
 from dvla.rollout import EpisodeRecorder
-from dvla.trainer import allreduce_mean_grads, episode_stats, mean_over_group, resolve_device, save_weights
+from dvla.trainer import allreduce_mean_grads, episode_stats, mean_over_group, resolve_device, save_weights, weights_digest
 from dvla.types import Observation, RolloutBatch
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
@@ -624,7 +624,6 @@ class Swimlane:
                         self._check_senders()
                         self._check_stall(last_chunk)
                         continue
-                    last_chunk = time.monotonic()
                     batch, _meta, on_done = item
                     steps = env_steps(batch)
                     self.counters["env_steps_sampled"] += steps
@@ -635,6 +634,7 @@ class Swimlane:
                         if on_done is not None:
                             on_done()
                         continue
+                    last_chunk = time.monotonic()  # progress: a chunk the learner can use
                     steps_total += steps
                     chunks.append(batch)
                     releases.append(on_done)
@@ -699,13 +699,16 @@ class Swimlane:
                 f"(chunk accounting: {self.chunk_accounting()})")
 
     def _check_stall(self, last_chunk: float) -> None:
-        """No chunk at all for ``swimlane.stall_timeout_s``: something is stuck without
-        crashing (a simulator step that never returns, a frozen rank): stop and say so."""
+        """No usable chunk for ``swimlane.stall_timeout_s``: something is stuck without
+        crashing (a simulator step that never returns, a frozen rank, rollouts whose every
+        chunk is too stale): stop and say so. Dropped chunks are not progress."""
         limit = self.sl.stall_timeout_s
         if limit and time.monotonic() - last_chunk > limit:
             raise RuntimeError(
-                f"no trajectory chunk for {limit}s (swimlane.stall_timeout_s): a simulator or rollout rank is "
-                f"stuck; env_steps_sampled={self.counters['env_steps_sampled']}, version={self.version}")
+                f"no usable trajectory chunk for {limit}s (swimlane.stall_timeout_s): a simulator or rollout "
+                f"rank is stuck, or every chunk arrives too stale; env_steps_sampled="
+                f"{self.counters['env_steps_sampled']}, dropped_stale={self.counters['dropped_stale']}, "
+                f"version={self.version}")
 
     def _activations(self):
         """On CUDA, the learner's activations go to the transient pool's segments."""
@@ -941,6 +944,8 @@ class Swimlane:
             this_attempt = steps - self._carried.get("env_steps", 0)
             summary.update(env_steps=steps, env_steps_per_s=this_attempt / wall if wall > 0 else 0.0,
                            final_success_rate=self.history[-1]["success_rate"] if self.history else None)
+            if "gradient" not in self.lanes_left_running:
+                summary["weights_digest"] = weights_digest(self.policy)
         if self.sl.trace:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             name = "trace.json" if self.rank == 0 else f"trace_rank{self.rank}.json"

@@ -136,13 +136,43 @@ def test_stale_chunks_are_dropped_and_counted(tmp_path):
 
 
 def test_off_policy_update_recomputes_proximal_log_probs(tmp_path):
+    """A batch two versions old: every step's proximal log-prob is recomputed with the
+    learner's weights (moved away from the sampling ones), so it differs from the
+    behaviour log-prob and equals what those weights give the action."""
     lanes = Swimlane(cfg_for(tmp_path))
+    algo = lanes.algo
     batch = _chunk(lanes.policy, lanes.envs[0], 0, 0)
-    on = lanes.algo.update(batch, torch.Generator().manual_seed(0), learner_version=0)
+    on = algo.update(batch, torch.Generator().manual_seed(0), learner_version=0)
     assert on["staleness_max"] == 0 and "is_weight_mean" not in on
-    off = lanes.algo.update(batch, torch.Generator().manual_seed(0), learner_version=2)
-    assert off["staleness_mean"] == 2 and off["is_weight_mean"] > 0
-    assert 0 <= off["is_weight_clipped"] <= 1
+    with torch.no_grad():  # the learner's weights have moved on since the batch was sampled
+        for p in lanes.policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    data = algo._flatten(batch, *algo.advantages(batch))
+    expected = algo.proximal_log_probs(data, chunk=data["actions"].shape[0])  # the current weights
+    assert not torch.allclose(expected, data["behav_logp"], atol=1e-3)
+    calls, minibatches, real_step = [], [], algo._step
+    real_prox = algo.proximal_log_probs
+
+    def prox_spy(d, chunk):
+        calls.append(d["actions"].shape[0])
+        return real_prox(d, chunk)
+
+    def step_spy(mb):
+        if not minibatches:  # the first step of the update, before any weight changes
+            now = real_prox(mb, mb["actions"].shape[0])  # these steps under the learner's weights
+            algo.policy.train()
+            minibatches.append({"now": now, **{k: mb[k].clone() for k in ("behav_logp", "prox_logp")}})
+        return real_step(mb)
+
+    algo.proximal_log_probs, algo._step = prox_spy, step_spy
+    off = algo.update(batch, torch.Generator().manual_seed(0), learner_version=2)
+    assert calls == [data["actions"].shape[0]]  # one recompute over every (stale) step
+    assert off["staleness_mean"] == 2
+    mb = minibatches[0]
+    torch.testing.assert_close(mb["prox_logp"], mb["now"], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(mb["prox_logp"], mb["behav_logp"], atol=1e-3)
+    # The importance weights pi_prox / pi_behav are not all 1: the correction is at work.
+    assert off["is_weight_mean"] > 0 and abs(off["is_weight_mean"] - 1.0) > 1e-4
 
 
 def test_a_mixed_batch_recomputes_proximal_log_probs_of_its_stale_steps_only(tmp_path):
@@ -289,7 +319,7 @@ def test_a_stuck_simulator_is_reported_not_a_silent_hang(tmp_path):
         env.step = stuck_step
     t0 = time.monotonic()
     try:
-        with pytest.raises(LaneError, match=r"gradient.*no trajectory chunk for 2s \(swimlane.stall_timeout_s\)"):
+        with pytest.raises(LaneError, match=r"gradient.*no usable trajectory chunk for 2s \(swimlane.stall_timeout_s\)"):
             lanes.run()
     finally:
         release.set()
@@ -383,6 +413,34 @@ def test_bad_roles_are_config_errors(tmp_path):
         Swimlane(cfg_for(tmp_path, "swimlane.topology=two hosts"))
     with pytest.raises(ConfigError, match="swimlane.broadcast_every: must be 1 in sync mode"):
         cfg_for(tmp_path, "swimlane.mode=sync", "swimlane.broadcast_every=2").validate()
+    with pytest.raises(ConfigError, match=r"swimlane.max_staleness: must be >= broadcast_every - 1 = 2 .*got 1"):
+        cfg_for(tmp_path, "swimlane.broadcast_every=3", "swimlane.max_staleness=1").validate()
+
+
+def test_publishing_every_third_version_does_not_livelock(tmp_path):
+    """Rollouts see only every broadcast_every-th version; with max_staleness =
+    broadcast_every - 1 (the least allowed) the learner still gets data it can use at
+    every version in between (it used to stop at version 2 with max_staleness=1)."""
+    lanes = Swimlane(cfg_for(tmp_path, "swimlane.broadcast_every=3", "swimlane.max_staleness=2",
+                             "run.iterations=9", "swimlane.stall_timeout_s=60"))
+    t0 = time.monotonic()
+    summary = lanes.run()
+    assert summary["version"] == 9 and time.monotonic() - t0 < 60
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert max(r["staleness_max"] for r in rows) == 2  # data from two versions behind was used
+
+
+def test_a_learner_that_drops_every_chunk_reports_a_stall(tmp_path):
+    """Chunks that arrive but are all too stale are no progress: the stall check fires
+    (it used to count a dropped chunk as activity and wait forever)."""
+    lanes = Swimlane(cfg_for(tmp_path, "run.iterations=1000", "swimlane.stall_timeout_s=5"))
+    lanes.sl.max_staleness = -1  # every chunk is too stale (not a valid config; the test forces it)
+    t0 = time.monotonic()
+    # Admission holds the rollouts back for 2 s (no weights fresh enough), then they sample
+    # anyway, and the learner drops what arrives.
+    with pytest.raises(LaneError, match=r"no usable trajectory chunk for 5s .*dropped_stale=[1-9]"):
+        lanes.run()
+    assert time.monotonic() - t0 < 30
 
 
 def test_double_buffered_weights_never_expose_a_torn_version():
@@ -465,3 +523,8 @@ def test_two_learner_ranks_average_gradients_and_finish(tmp_path):
         assert sum(1 for s in spans if s[:2] == ("gradient", "learn")) == 8
     _, spans = load_trace(out / "trace_rank2.json")
     assert not any(s[0] == "gradient" for s in spans)
+    # Averaged gradients keep the two learners' weights identical after every update.
+    learners = [json.loads((out / name).read_text()) for name in ("summary.json", "summary_rank1.json")]
+    assert [s["role"] for s in learners] == ["learner+rollout", "learner+rollout"]
+    assert learners[0]["weights_digest"] == learners[1]["weights_digest"]
+
