@@ -13,6 +13,8 @@ from dvla.policy import (
 )
 from dvla.types import Observation, RolloutBatch, StepResult
 
+import dvla.models  # noqa: E402,F401  (registers the built-in policies; any dvla import runs this)
+
 __version__ = "0.1.0"
 
 __all__ = [

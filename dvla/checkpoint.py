@@ -649,3 +649,22 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict,
         np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     for name, gen in (generators or {}).items():
         gen.set_state(tensors[f"rng/gen/{name}"].to("cpu", torch.uint8))
+
+
+def save_weights(module: torch.nn.Module, path: str | Path, version: int, **meta: str) -> None:
+    """Write a module's weights as safetensors with its version (and a policy's registry
+    name) in the metadata, plus any ``meta`` strings."""
+    info = {"version": str(version), **meta}
+    if getattr(module, "registry_name", None):
+        info["policy"] = str(module.registry_name)
+    save_safetensors(module.state_dict(), path, info)
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """A short hash of every parameter and buffer's bytes, in state-dict order: ranks that
+    should hold identical weights (learners averaging gradients) report the same digest."""
+    h = hashlib.sha256()
+    for name, t in module.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

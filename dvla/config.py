@@ -20,6 +20,9 @@ from typing import Any, Literal
 
 import yaml
 
+from memory.config import MemoryConfig  # composed into JobConfig (memory owns it)
+from planes.config import DataPlaneConfig  # composed into JobConfig (planes owns it)
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range."""
@@ -283,80 +286,6 @@ class SwimlaneConfig:
             errs.append(("max_staleness", f"must be >= broadcast_every - 1 = {self.broadcast_every - 1} "
                                           f"(rollouts only see every {self.broadcast_every}th version), "
                                           f"got {self.max_staleness}"))
-        return errs
-
-
-@dataclass(kw_only=True)
-class DataPlaneConfig:
-    """The ZeroMQ data plane (:mod:`planes.data`) that carries trajectory chunks between
-    processes. The swimlane sets ``transport`` per route from the placement and
-    ``recv_queue`` from ``swimlane.queue_size``."""
-
-    transport: Literal["auto", "ipc", "tcp"] = "auto"
-    """``auto`` (ipc on the same host, tcp across hosts), ``ipc`` or ``tcp``."""
-    bind_host: str = "127.0.0.1"
-    """Interface the receiver's tcp endpoint binds to; loopback unless configured."""
-    send_hwm: int = 8
-    """Messages a sender may have queued before ``send`` blocks."""
-    recv_hwm: int = 8
-    """Messages ZeroMQ may buffer at the receiver."""
-    recv_queue: int = 8
-    """Decoded messages the receiver's background thread may prefetch while the consumer is
-    busy; when full it stops reading (a consumer waiting in ``get`` reads for itself).
-    The swimlane sets it from ``swimlane.queue_size``."""
-    max_message_bytes: int = 1 << 30  # planes.serial.DEFAULT_MAX_BYTES
-    """Largest accepted message; bigger ones are rejected unread."""
-    send_timeout_s: float = 60.0
-    """Longest a send may block on backpressure before it fails."""
-    heartbeat_s: float = 0.5
-    """Interval of sender heartbeats (on their own socket)."""
-    peer_timeout_s: float = 5.0
-    """A sender unheard for this long is declared dead."""
-    keep_receive_buffers: bool = True
-    """On Linux with glibc, let the receiving process keep freed memory for reuse: malloc's
-    mmap threshold goes to 32 MiB and its trim threshold to 32 MiB (``mallopt``, process
-    wide, once), so ZeroMQ's multi-MB receive buffers come from memory already mapped
-    instead of fresh pages that fault in on every message. False leaves malloc alone."""
-    curve: bool = False
-    """Encrypt with CurveZMQ (the receiver's public key travels through the store)."""
-    curve_authorized_dir: str | None = None
-    """With ``curve``: only clients whose public keys (``*.key``) are in this directory may
-    connect."""
-
-    def _validate(self) -> list[tuple[str, str]]:
-        errs = [(n, f"must be >= 1, got {getattr(self, n)}")
-                for n in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes") if getattr(self, n) < 1]
-        if not 0 < self.heartbeat_s < self.peer_timeout_s:
-            errs.append(("heartbeat_s", f"must be > 0 and below peer_timeout_s ({self.peer_timeout_s}), "
-                                        f"got {self.heartbeat_s}"))
-        return errs
-
-
-@dataclass(kw_only=True)
-class MemoryConfig:
-    """The dual-pool memory manager (:mod:`memory`). Budgets are bytes (``1073741824``),
-    sizes with units (``512MiB``, ``2GB``), a fraction of the device's memory (``0.25``)
-    or ``0`` for none."""
-
-    enabled: bool = True
-    """Weights, optimizer state and weight buffers in the persistent pool; rollout buffers
-    and observation batches in the transient pool. False: plain allocation."""
-    persistent_budget: int | float | str = 0
-    """Budget of the persistent pool (allocated once at start-up, then sealed): bytes,
-    ``512MiB``-style sizes, a fraction of device memory (``0.25``), or 0 for none."""
-    transient_budget: int | float | str = 0
-    """Budget of the transient pool (size-classed blocks reused step after step); same
-    forms as ``persistent_budget``."""
-
-    def _validate(self) -> list[tuple[str, str]]:
-        from memory import parse_budget  # the memory package imports this module
-
-        errs = []
-        for name in ("persistent_budget", "transient_budget"):
-            try:
-                parse_budget(getattr(self, name), "cpu", field=f"memory.{name}")
-            except ConfigError as exc:
-                errs.append((name, str(exc).split(": ", 1)[-1]))
         return errs
 
 

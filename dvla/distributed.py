@@ -55,3 +55,39 @@ def shutdown(barrier: bool = True) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"run.device={name!r} but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
+    """Average gradients over ``group`` (default: the default process group) as one flat
+    buffer. A parameter without a gradient counts as zero, so every rank sends the same
+    layout even when some parameters were unused on it."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[offset : offset + n].view_as(g))
+        offset += n
+
+
+def mean_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Average every value of ``stats`` over the ranks of ``group`` (one all-reduce)."""
+    t = torch.tensor(list(stats.values()), dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    t /= dist.get_world_size(group)
+    return dict(zip(stats, t.tolist()))

@@ -207,8 +207,6 @@ def policy_config(name: str, options: dict[str, Any] | None = None) -> Any:
     """The registered policy ``name``'s ``Config`` built from ``options`` and validated,
     without building the model: a :class:`ConfigError` names an unknown policy (and the
     registered ones) or an unknown or invalid option (and the allowed ones)."""
-    import dvla.models  # noqa: F401  (registers the built-in policies)
-
     if name not in POLICY_REGISTRY:
         raise ConfigError(
             f"policy.name: unknown policy {name!r}; registered: {', '.join(sorted(POLICY_REGISTRY))}"

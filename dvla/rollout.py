@@ -150,3 +150,12 @@ def collect_episodes(
         last_value = policy.value(obs)
         times.infer_s += time.perf_counter() - t0
     return rec.build(torch.arange(env.n_envs) // group_size + group_offset, last_value)
+
+
+def episode_stats(batch: RolloutBatch) -> dict[str, float]:
+    """Success rate, mean return and mean length of a batch's episodes."""
+    return {
+        "success_rate": float(batch.success.float().mean()),
+        "return_mean": float(batch.episode_returns().mean()),
+        "episode_len_mean": float(batch.valid.sum(0).float().mean()),
+    }

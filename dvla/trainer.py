@@ -7,7 +7,6 @@ and gradients are averaged with an all-reduce, so all replicas stay identical.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from pathlib import Path
@@ -17,72 +16,14 @@ import torch
 import torch.distributed as dist
 
 from dvla.algos import build_algorithm
-from dvla.checkpoint import save_safetensors
+from dvla.checkpoint import save_weights
 from dvla.config import JobConfig, dump_yaml
+from dvla.distributed import allreduce_mean_grads, mean_over_group, resolve_device
 from dvla.envs import make_env
 from dvla.metrics import MetricsLogger
 from dvla.policy import PolicySpec, VLAPolicy, build_policy
-from dvla.rollout import RolloutTimes, collect_episodes
+from dvla.rollout import RolloutTimes, collect_episodes, episode_stats
 from dvla.types import RolloutBatch
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"run.device={name!r} but CUDA is not available on this machine")
-    return torch.device(name)
-
-
-def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
-    """Average gradients over ``group`` (default: the default process group) as one flat
-    buffer. A parameter without a gradient counts as zero, so every rank sends the same
-    layout even when some parameters were unused on it."""
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
-        offset += n
-
-
-def save_weights(policy: VLAPolicy, path: str | Path, version: int) -> None:
-    """Write the policy's weights as safetensors, with its version and registry name."""
-    save_safetensors(policy.state_dict(), path, {"version": str(version), "policy": str(policy.registry_name)})
-
-
-def weights_digest(module: torch.nn.Module) -> str:
-    """A short hash of every parameter and buffer's bytes, in state-dict order: ranks that
-    should hold identical weights (learners averaging gradients) report the same digest."""
-    h = hashlib.sha256()
-    for name, t in module.state_dict().items():
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def mean_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Average every value of ``stats`` over the ranks of ``group`` (one all-reduce)."""
-    t = torch.tensor(list(stats.values()), dtype=torch.float64)
-    dist.all_reduce(t, group=group)
-    t /= dist.get_world_size(group)
-    return dict(zip(stats, t.tolist()))
-
-
-def episode_stats(batch: RolloutBatch) -> dict[str, float]:
-    return {
-        "success_rate": float(batch.success.float().mean()),
-        "return_mean": float(batch.episode_returns().mean()),
-        "episode_len_mean": float(batch.valid.sum(0).float().mean()),
-    }
 
 
 class SyncTrainer:

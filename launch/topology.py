@@ -7,9 +7,10 @@ back (:func:`discover`). Ranks that report the same host name form one
 :class:`HostInfo`. JSON rather than ``all_gather_object`` keeps pickle out of it, and
 the store is usable before any process group exists.
 
-Host identity comes from ``planes.data._hostname`` (the ``DVLA_FAKE_HOSTNAME``
-environment variable if set, else the machine's name), so two ``torchrun`` invocations
-on one machine can act as two hosts, exactly as the data plane sees them.
+Host identity is :func:`host_name`: the ``DVLA_FAKE_HOSTNAME`` environment variable if set,
+else the machine's name (the data plane reads the same variable, ``planes.data``), so two
+``torchrun`` invocations on one machine can act as two hosts, exactly as the data plane
+sees them.
 
 For planning and tests, :func:`from_spec` builds a topology from a short description
 ("2x4", "2x4:8", ``[4, 2]`` or a :meth:`Topology.to_dict` dict) with ranks numbered
@@ -29,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -279,17 +281,20 @@ def _cuda() -> tuple[int, list[str]]:
         return 0, []
 
 
+def host_name() -> str:
+    """This machine's name as placement sees it (``DVLA_FAKE_HOSTNAME`` overrides it)."""
+    return os.environ.get("DVLA_FAKE_HOSTNAME") or socket.gethostname()
+
+
 def local_info(rank: int, local_rank: int, hostname: str | None = None, links: bool = True) -> dict[str, Any]:
     """What this process knows about itself, as a JSON-able dict. Never raises: what
     cannot be found out is 0, [] or None. ``hostname`` overrides the host name (tests);
     ``links=False`` skips probing GPU links (the same for every rank of a host)."""
-    from planes.data import _hostname  # pulls in torch; planning does not need it
-
     gpus, names = _cuda()
     return {
         "rank": int(rank),
         "local_rank": int(local_rank),
-        "hostname": hostname if hostname is not None else _hostname(),
+        "hostname": hostname if hostname is not None else host_name(),
         "gpus": gpus,
         "gpu_names": names,
         "cpus": _cpus(),

@@ -1,7 +1,8 @@
 """Dual-pool memory manager: a sealed persistent pool for start-up tensors and a size-classed,
 reusing transient arena for per-step tensors. See :mod:`memory.pools` for the design."""
 
-from .budget import PoolBudgetError, device_total_memory, format_bytes, parse_budget
+from .budget import BudgetError, PoolBudgetError, device_total_memory, format_bytes, parse_budget
+from .config import MemoryConfig
 from .pools import (
     MIN_BLOCK_BYTES,
     Lease,
@@ -23,5 +24,7 @@ __all__ = [
     "device_total_memory",
     "format_bytes",
     "parse_budget",
+    "BudgetError",
+    "MemoryConfig",
     "size_class",
 ]

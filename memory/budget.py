@@ -3,7 +3,7 @@
 A budget is given in configs as ``None``/``0``/``"unlimited"`` (no budget), a byte count
 (``4096``, ``"512MiB"``, ``"2GB"``, ``"1.5GiB"``) or a fraction of the device's memory
 (``0.8``, or the string ``"80%"``). :func:`parse_budget` turns any of these into a number of
-bytes (or ``None``) and reports anything else as a :class:`dvla.config.ConfigError`.
+bytes (or ``None``) and reports anything else as a :class:`BudgetError`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-from dvla.config import ConfigError
 
-__all__ = ["PoolBudgetError", "device_total_memory", "format_bytes", "parse_budget"]
+__all__ = ["BudgetError", "PoolBudgetError", "device_total_memory", "format_bytes", "parse_budget"]
 
 _UNITS = {
     "": 1,
@@ -157,9 +156,13 @@ def device_total_memory(device: torch.device | str) -> int:
     return int(min(physical, limit) if limit else physical)
 
 
-def _fail(field: str, spec, why: str = "") -> ConfigError:
+class BudgetError(ValueError):
+    """A memory budget that is not one of the accepted forms (the message names the field)."""
+
+
+def _fail(field: str, spec, why: str = "") -> BudgetError:
     reason = f" ({why})" if why else ""
-    return ConfigError(f"{field}: invalid memory budget {spec!r}{reason}; {_ALLOWED}")
+    return BudgetError(f"{field}: invalid memory budget {spec!r}{reason}; {_ALLOWED}")
 
 
 def parse_budget(spec, device: torch.device | str, field: str = "memory.budget") -> int | None:
@@ -171,7 +174,7 @@ def parse_budget(spec, device: torch.device | str, field: str = "memory.budget")
       ``KiB/MiB/GiB/TiB`` binary; a size of zero in any unit means no budget)
     * ``float`` in ``(0, 1]`` (or ``"80%"``) -> that fraction of :func:`device_total_memory`
 
-    Anything else raises :class:`dvla.config.ConfigError` whose message starts with ``field``.
+    Anything else raises :class:`BudgetError` whose message starts with ``field``.
     """
     if spec is None:
         return None

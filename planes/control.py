@@ -38,14 +38,12 @@ import collections
 import hashlib
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from dvla.checkpoint import save_safetensors
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 SHUTDOWN = -1
@@ -346,12 +344,6 @@ class WeightBroadcaster:
     def staging_buffers(self) -> list[Tensor]:
         """A fresh set of flat tensors shaped like the buckets (for double buffering)."""
         return [torch.empty_like(b.flat) for b in self.buckets]
-
-    # -- checkpoint ---------------------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
-        """Write the module's weights as safetensors with version and layout checksum."""
-        save_safetensors(dict(_entries(self.module)), path,
-                         {"version": str(self.version), "layout": f"{self.checksum:#x}"})
 
 
 class WeightSubscriber:

@@ -61,7 +61,7 @@ import torch
 import zmq
 from torch import Tensor
 
-from dvla.config import DataPlaneConfig, validate  # noqa: F401  (DataPlaneConfig is public here)
+from planes.config import DataPlaneConfig, check  # noqa: F401  (DataPlaneConfig is public here)
 from planes.serial import (
     MessageError,
     as_tensor,
@@ -157,6 +157,7 @@ def remove_stale_ipc_files(directory: str | None = None) -> list[str]:
 
 
 def _hostname() -> str:
+    """This machine's name (``DVLA_FAKE_HOSTNAME`` overrides it, as in ``launch.topology.host_name``)."""
     return os.environ.get("DVLA_FAKE_HOSTNAME") or socket.gethostname()
 
 
@@ -169,7 +170,7 @@ class TrajectoryReceiver:
     def __init__(self, cfg: DataPlaneConfig | None = None, *, store=None, key: str = "dvla/data/0",
                  ctx: zmq.Context | None = None):
         self.cfg = cfg or DataPlaneConfig()
-        validate(self.cfg, "data_plane.")
+        check(self.cfg)
         if self.cfg.keep_receive_buffers:
             keep_freed_memory_for_reuse()
         self.ctx = ctx or zmq.Context.instance()
@@ -490,7 +491,7 @@ class TrajectorySender:
                  sender_id: str | None = None, ctx: zmq.Context | None = None,
                  client_keys: tuple[bytes, bytes] | None = None):
         self.cfg = cfg or DataPlaneConfig()
-        validate(self.cfg, "data_plane.")
+        check(self.cfg)
         self.ctx = ctx or zmq.Context.instance()
         self.sender_id = sender_id or f"{_hostname()}:{os.getpid()}"
         self.counters = Counters()

@@ -54,17 +54,18 @@ import torch
 import torch.distributed as dist
 
 from dvla.algos import build_algorithm
-from dvla.checkpoint import CheckpointManager, load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from dvla.checkpoint import (CheckpointManager, load_optimizer_state, optimizer_state, rng_state, save_weights,
+                             set_rng_state, weights_digest)
 from dvla.config import ConfigError, JobConfig, dump_yaml
+from dvla.distributed import allreduce_mean_grads, mean_over_group, resolve_device
 from dvla.envs import env_spec, make_env
 from dvla.metrics import MetricsLogger
 from dvla.policy import ActOutput, PolicySpec, build_policy
-from dvla.rollout import EpisodeRecorder
-from dvla.trainer import allreduce_mean_grads, episode_stats, mean_over_group, resolve_device, save_weights, weights_digest
+from dvla.rollout import EpisodeRecorder, episode_stats
 from dvla.types import Observation, RolloutBatch
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
-from memory import MemoryManager, TransientPool, parse_budget
+from memory import BudgetError, MemoryManager, TransientPool, parse_budget
 from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchical_stages, module_weights,
                             new_control_group)
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
@@ -177,14 +178,17 @@ class Swimlane:
 
         self.memory = self.host_pool = None
         if cfg.memory.enabled:
-            self.memory = MemoryManager(
-                self.device, parse_budget(cfg.memory.persistent_budget, self.device, "memory.persistent_budget"),
-                parse_budget(cfg.memory.transient_budget, self.device, "memory.transient_budget"))
+            try:  # checked at config time on the CPU; a fraction resolves per device here
+                persistent = parse_budget(cfg.memory.persistent_budget, self.device, "memory.persistent_budget")
+                transient = parse_budget(cfg.memory.transient_budget, self.device, "memory.transient_budget")
+                host_transient = parse_budget(cfg.memory.transient_budget, "cpu", "memory.transient_budget")
+            except BudgetError as exc:
+                raise ConfigError(str(exc)) from None
+            self.memory = MemoryManager(self.device, persistent, transient)
             # Rollout buffers live in host memory (they go to the data plane from there).
             self.host_pool = self.memory.transient
             if self.device.type != "cpu":
-                self.host_pool = TransientPool("cpu", parse_budget(cfg.memory.transient_budget, "cpu"),
-                                               name="transient_host")
+                self.host_pool = TransientPool("cpu", host_transient, name="transient_host")
 
         # Same construction order as the synchronous trainer, so seeds give equal weights.
         seed = cfg.run.seed

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dvla.checkpoint import save_weights
 from dvla.distributed import shutdown
 from planes.control import (LayoutMismatchError, WeightBroadcaster, WeightSubscriber, hierarchical_stages,
                             new_control_group)
@@ -259,9 +260,9 @@ def test_single_rank_world_and_safetensors_checkpoint(tmp_path):
         opt.step()
         assert not torch.allclose(model(x), before)
         bc.publish(3)
-        bc.save(tmp_path / "w.safetensors")
+        save_weights(model, tmp_path / "w.safetensors", bc.version, layout=f"{bc.checksum:#x}")
         with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
-            assert f.metadata()["version"] == "3"
+            assert f.metadata()["version"] == "3" and f.metadata()["layout"] == f"{bc.checksum:#x}"
             torch.testing.assert_close(f.get_tensor("0.weight"), model[0].weight.detach())
         with pytest.raises(ValueError, match="versions must increase"):
             bc.publish(3)

@@ -283,11 +283,11 @@ def test_curve_encryption_and_client_authorisation(tmp_path):
 
 
 def test_bad_config_names_the_field():
-    from dvla.config import ConfigError
+    from planes.config import DataPlaneConfigError  # the plane's own error: it imports nothing from dvla
 
-    with pytest.raises(ConfigError, match=r"data_plane\.transport: expected one of 'auto', 'ipc', 'tcp'"):
+    with pytest.raises(DataPlaneConfigError, match=r"data_plane\.transport: expected one of 'auto', 'ipc', 'tcp'"):
         TrajectoryReceiver(DataPlaneConfig(transport="udp"))
-    with pytest.raises(ConfigError, match=r"data_plane\.heartbeat_s: must be > 0 and below peer_timeout_s"):
+    with pytest.raises(DataPlaneConfigError, match=r"data_plane\.heartbeat_s: must be > 0 and below peer_timeout_s"):
         TrajectorySender({}, DataPlaneConfig(heartbeat_s=10.0))
 
 

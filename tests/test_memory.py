@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from dvla.config import ConfigError
+from memory import BudgetError  # the package's own error: it imports nothing from dvla
 from memory import (
     MIN_BLOCK_BYTES,
     MemoryManager,
@@ -100,7 +100,7 @@ def test_cgroup_v1_memory_limit_is_honoured(tmp_path):
     "spec", [-1, 1.5, -0.5, float("nan"), "lots", "12 parsecs", "1.5", "-3MiB", True, [1], "150%"]
 )
 def test_parse_budget_rejects_with_field_value_and_forms(spec):
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(BudgetError) as info:
         parse_budget(spec, "cpu", field="memory.transient_budget")
     msg = str(info.value)
     assert msg.startswith("memory.transient_budget:")
@@ -169,7 +169,7 @@ def test_persistent_budget_error():
 def test_manager_accepts_budget_specs():
     mm = MemoryManager("cpu", persistent_budget="1MiB", transient_budget=None)
     assert mm.persistent.budget_bytes == MiB and mm.transient.budget_bytes is None
-    with pytest.raises(ConfigError, match=r"^memory\.transient_budget:"):
+    with pytest.raises(BudgetError, match=r"^memory\.transient_budget:"):
         MemoryManager("cpu", transient_budget="huge")
 
 

@@ -1,0 +1,72 @@
+"""The data plane's configuration, owned here so that :mod:`planes` imports nothing from
+the packages above it (``dvla.config`` composes it into a job's configuration)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+
+TRANSPORTS = ("auto", "ipc", "tcp")
+
+
+class DataPlaneConfigError(ValueError):
+    """A data-plane setting is out of range (the message names the field)."""
+
+
+@dataclass(kw_only=True)
+class DataPlaneConfig:
+    """The ZeroMQ data plane (:mod:`planes.data`) that carries trajectory chunks between
+    processes. The swimlane sets ``transport`` per route from the placement and
+    ``recv_queue`` from ``swimlane.queue_size``."""
+
+    transport: Literal["auto", "ipc", "tcp"] = "auto"
+    """``auto`` (ipc on the same host, tcp across hosts), ``ipc`` or ``tcp``."""
+    bind_host: str = "127.0.0.1"
+    """Interface the receiver's tcp endpoint binds to; loopback unless configured."""
+    send_hwm: int = 8
+    """Messages a sender may have queued before ``send`` blocks."""
+    recv_hwm: int = 8
+    """Messages ZeroMQ may buffer at the receiver."""
+    recv_queue: int = 8
+    """Decoded messages the receiver's background thread may prefetch while the consumer is
+    busy; when full it stops reading (a consumer waiting in ``get`` reads for itself).
+    The swimlane sets it from ``swimlane.queue_size``."""
+    max_message_bytes: int = 1 << 30  # planes.serial.DEFAULT_MAX_BYTES
+    """Largest accepted message; bigger ones are rejected unread."""
+    send_timeout_s: float = 60.0
+    """Longest a send may block on backpressure before it fails."""
+    heartbeat_s: float = 0.5
+    """Interval of sender heartbeats (on their own socket)."""
+    peer_timeout_s: float = 5.0
+    """A sender unheard for this long is declared dead."""
+    keep_receive_buffers: bool = True
+    """On Linux with glibc, let the receiving process keep freed memory for reuse: malloc's
+    mmap threshold goes to 32 MiB and its trim threshold to 32 MiB (``mallopt``, process
+    wide, once), so ZeroMQ's multi-MB receive buffers come from memory already mapped
+    instead of fresh pages that fault in on every message. False leaves malloc alone."""
+    curve: bool = False
+    """Encrypt with CurveZMQ (the receiver's public key travels through the store)."""
+    curve_authorized_dir: str | None = None
+    """With ``curve``: only clients whose public keys (``*.key``) are in this directory may
+    connect."""
+
+    def _validate(self) -> list[tuple[str, str]]:
+        if self.transport not in TRANSPORTS:
+            return [("transport", f"expected one of {', '.join(map(repr, TRANSPORTS))}, got {self.transport!r}")]
+        errs = [(n, f"must be >= 1, got {getattr(self, n)}")
+                for n in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes") if getattr(self, n) < 1]
+        if not 0 < self.heartbeat_s < self.peer_timeout_s:
+            errs.append(("heartbeat_s", f"must be > 0 and below peer_timeout_s ({self.peer_timeout_s}), "
+                                        f"got {self.heartbeat_s}"))
+        return errs
+
+
+def check(cfg: DataPlaneConfig, path: str = "data_plane.") -> None:
+    """Raise :class:`DataPlaneConfigError` naming every out-of-range field of ``cfg``."""
+    if not dataclasses.is_dataclass(cfg):
+        raise DataPlaneConfigError(f"{path.rstrip('.')}: expected a DataPlaneConfig, got {cfg!r}")
+    errs = cfg._validate()
+    if errs:
+        raise DataPlaneConfigError("invalid configuration: " + "; ".join(f"{path}{n}: {m}" for n, m in errs))
