@@ -69,7 +69,10 @@ from memory import BudgetError, MemoryManager, TransientPool, parse_budget
 from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchical_stages, module_weights,
                             new_control_group)
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
+from swimlane.admission import Admission
 from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, concat
+from swimlane.health import FailureBudget, StallTimer, dead_senders
+from swimlane.ledger import Ledger, chunk_accounting
 from swimlane.trace import Tracer, utilization
 from swimlane.weights import DoubleBufferedWeights
 
@@ -233,7 +236,7 @@ class Swimlane:
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self.resumed_from: int | None = None
         self.time_up = False  # run.time_limit_s reached
-        self._carried: dict[str, Any] = {}
+        self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
         self.ckpt = None
         if self.is_learner:
             self.ckpt = CheckpointManager(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
@@ -253,9 +256,6 @@ class Swimlane:
         self._snap_free.set()
         self._snap_version = -1
         self._handoff_pending = False
-        self.counters = {"chunks_sent": 0, "chunks_consumed": 0, "dropped_stale": 0, "publishes": 0,
-                         "publish_skipped_busy": 0, "env_steps_sampled": 0, "throttle_timeouts": 0,
-                         "env_errors": 0, "discarded_after_run": 0}
         self.history: list[dict[str, Any]] = []
         self._start_time = time.perf_counter()
         self._start_unix = time.time()
@@ -282,10 +282,14 @@ class Swimlane:
         with self.tracer.span("gradient", "checkpoint"):
             self.ckpt.save(self.version, {**tensors, **opt_t, **rng_t}, manifest)
 
+    @property
+    def counters(self) -> dict[str, int]:
+        """This attempt's counters (:class:`swimlane.ledger.Ledger`)."""
+        return self.ledger.counts
+
     def total_counters(self) -> dict[str, int]:
         """This attempt's counters plus those of the attempts before a resume."""
-        carried = self._carried.get("counters", {})
-        return {k: v + carried.get(k, 0) for k, v in self.counters.items()}
+        return self.ledger.totals()
 
     def _resume(self) -> None:
         ck = self.ckpt.load_latest()
@@ -302,7 +306,7 @@ class Swimlane:
         load_optimizer_state(self.algo.optimizer, t, m["optimizer"])
         set_rng_state(t, m["rng"], self._generators())
         self.version = self.resumed_from = int(m["version"])
-        self._carried = {"counters": m["counters"], "env_steps": int(m["env_steps"])}
+        self.ledger.carry(m["counters"], m["env_steps"])
         if self.rank == 0:
             (log.warning if self.restarts else log.info)("resumed from %s (version %d, restart %d)", ck.path,
                                                          self.version, self.restarts)
@@ -423,39 +427,31 @@ class Swimlane:
         K = self.cfg.policy.action_chunk
         has_value = self.policy.has_value_head
 
-        # Admission control (async): our learner consumes chunks_per_update chunks per
-        # version from the rollout ranks routed to it, so this rank's chunk number c belongs
-        # to version ~ c * n_routed / chunks_per_update. Starting it with weights more than
-        # max_staleness versions older than that would only produce data the learner
-        # drops: wait for newer weights instead.
+        # Admission control (async, :mod:`swimlane.admission`): wait for weights the
+        # learner will still accept before starting a batch of episodes.
         n_routed = len(self.placement.senders_of(self.placement.routes[self.rank]))
-        per_version = self.sl.chunks_per_update / n_routed
-        started = 0
-
-        def version_needed() -> int:
-            return base + int(started / per_version) - self.sl.max_staleness
+        admission = Admission(base, self.sl.chunks_per_update, n_routed, self.sl.max_staleness)
 
         leases = [None] * G
-        failures = [0] * G  # consecutive simulator failures per group
+        failures = FailureBudget(G, self.sl.max_env_failures)
 
         def recover(g: int, exc: Exception) -> None:
             """A simulator error in group ``g``: drop its batch of episodes, count it, and
             reset the group, unless it keeps failing (then the run stops with the error)."""
-            failures[g] += 1
-            self.counters["env_errors"] += 1
+            spent = failures.failed(g)
+            self.ledger.add("env_errors")
             now = time.perf_counter()
             tr.add("sampling", "env_error", now, now)
             if leases[g] is not None:
                 leases[g].release()
             recs[g] = leases[g] = None
-            if failures[g] >= self.sl.max_env_failures:
-                raise RuntimeError(f"env group {g} failed {failures[g]} times in a row "
+            if spent:
+                raise RuntimeError(f"env group {g} failed {failures.in_a_row[g]} times in a row "
                                    f"(swimlane.max_env_failures={self.sl.max_env_failures}): {exc!r}") from exc
-            log.error("env group %d failed (%d in a row), resetting it: %r", g, failures[g], exc)
+            log.error("env group %d failed (%d in a row), resetting it: %r", g, failures.in_a_row[g], exc)
 
         def start(g: int) -> None:
-            nonlocal started
-            started += 1
+            admission.start()
             with tr.span("sampling", "reset"):
                 while True:
                     try:
@@ -481,7 +477,7 @@ class Swimlane:
             recs[g] = leases[g] = None
             with tr.span("sampling", "send"):
                 if self.sink.put(batch, meta, self.rollout_stop, on_done):
-                    self.counters["chunks_sent"] += 1
+                    self.ledger.add("chunks_sent")
 
         def on_reply(g: int, kind: str, out, version: int) -> bool:
             """Advance group ``g``; True when its batch of episodes is complete."""
@@ -495,7 +491,7 @@ class Swimlane:
                 recover(g, exc)
                 start(g)  # a fresh batch of episodes for this group
                 return False
-            failures[g] = 0
+            failures.succeeded(g)
             obs = recs[g].record(out, res, version)
             if not recs[g].finished:
                 self._requests.put(_Request(g, "act", obs))
@@ -519,18 +515,18 @@ class Swimlane:
             parked = list(range(G))  # groups waiting to start a new batch of episodes
 
             def start_admitted() -> None:
-                while parked and self.weights.latest_version >= version_needed():
+                while parked and admission.admits(self.weights.latest_version):
                     start(parked.pop(0))
 
             start_admitted()
             while not self._rollout_stopping():
                 if len(parked) == G:  # every group throttled: wait for newer weights
                     with tr.span("sampling", "throttle"):
-                        fresh = self.weights.wait_for(version_needed(), self.rollout_stop, timeout=_THROTTLE_S)
+                        fresh = self.weights.wait_for(admission.needed(), self.rollout_stop, timeout=_THROTTLE_S)
                     if not fresh and not self._rollout_stopping():
                         # No new version for a while although we produce nothing: the learner
                         # is short of data (it dropped a chunk). Sample with the newest weights.
-                        self.counters["throttle_timeouts"] += 1
+                        self.ledger.add("throttle_timeouts")
                         start(parked.pop(0))
                     start_admitted()
                     continue
@@ -613,8 +609,8 @@ class Swimlane:
         logger = MetricsLogger(self.out_dir, self.iterations, enabled=lead, progress=self.cfg.run.progress,
                                initial=self.version, tensorboard=self.cfg.run.tensorboard)
         steps_total = 0
-        self._env_steps = self._carried.get("env_steps", 0)
-        last_chunk = time.monotonic()
+        self._env_steps = self.ledger.carried_env_steps
+        stall = StallTimer(self.sl.stall_timeout_s)
         try:
             while self.version < self.iterations and not self.stop_event.is_set():
                 chunks: list[RolloutBatch] = []
@@ -626,31 +622,31 @@ class Swimlane:
                         item = self.source.get(timeout=_POLL_S)
                     if item is None:
                         self._check_senders()
-                        self._check_stall(last_chunk)
+                        self._check_stall(stall)
                         continue
                     batch, _meta, on_done = item
                     steps = env_steps(batch)
-                    self.counters["env_steps_sampled"] += steps
+                    self.ledger.add("env_steps_sampled", steps)
                     lag = self.version - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
                     if lag > self.sl.max_staleness:
-                        self.counters["dropped_stale"] += 1
+                        self.ledger.add("dropped_stale")
                         tr.add("gradient", "stale_drop", time.perf_counter(), time.perf_counter())
                         if on_done is not None:
                             on_done()
                         continue
-                    last_chunk = time.monotonic()  # progress: a chunk the learner can use
+                    stall.progress()  # a chunk the learner can use
                     steps_total += steps
                     chunks.append(batch)
                     releases.append(on_done)
                 if len(chunks) < need:
-                    self.counters["discarded_after_run"] += len(chunks)  # stopped mid-collection
+                    self.ledger.add("discarded_after_run", len(chunks))  # stopped mid-collection
                     break
                 if self.sl.mode == "async" and self.version + 1 >= self.iterations:
                     # The last update has its data. What this rank's rollout lanes would
                     # sample from now on nobody consumes; it would only slow this update.
                     self.rollout_stop.set()
                 batch = concat(chunks)
-                self.counters["chunks_consumed"] += len(chunks)
+                self.ledger.add("chunks_consumed", len(chunks))
                 t0 = time.perf_counter()
                 with tr.span("gradient", "learn"), self._activations():
                     learn = self.algo.update(batch, self.learn_gen, learner_version=self.version)
@@ -665,7 +661,7 @@ class Swimlane:
                 wall = time.perf_counter() - self._start_time
                 totals = self.total_counters()
                 m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
-                     "env_steps_per_s": (steps_global - self._carried.get("env_steps", 0)) / wall, "learn_s": learn_s,
+                     "env_steps_per_s": (steps_global - self.ledger.carried_env_steps) / wall, "learn_s": learn_s,
                      "dropped_stale": totals["dropped_stale"], "queue_depth": self.source.depth(),
                      "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
                      **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
@@ -693,8 +689,7 @@ class Swimlane:
         last checkpoint) instead of hanging in a collective."""
         if self.world_size == 1:
             return
-        dead = [s for s in self.source.receiver.dead_peers if s in self.expected_senders
-                and s not in self.source.ended]
+        dead = dead_senders(self.expected_senders, self.source.ended, self.source.receiver.dead_peers)
         if dead:
             raise RuntimeError(
                 f"rollout rank(s) {', '.join(dead)} stopped sending heartbeats for "
@@ -702,12 +697,12 @@ class Swimlane:
                 f"Weights cannot be broadcast without them; stopping this attempt "
                 f"(chunk accounting: {self.chunk_accounting()})")
 
-    def _check_stall(self, last_chunk: float) -> None:
+    def _check_stall(self, stall: StallTimer) -> None:
         """No usable chunk for ``swimlane.stall_timeout_s``: something is stuck without
         crashing (a simulator step that never returns, a frozen rank, rollouts whose every
         chunk is too stale): stop and say so. Dropped chunks are not progress."""
         limit = self.sl.stall_timeout_s
-        if limit and time.monotonic() - last_chunk > limit:
+        if stall.stalled_for() is not None:
             raise RuntimeError(
                 f"no usable trajectory chunk for {limit}s (swimlane.stall_timeout_s): a simulator or rollout "
                 f"rank is stuck, or every chunk arrives too stale; env_steps_sampled="
@@ -734,7 +729,7 @@ class Swimlane:
         if self.sl.learner_ranks > 1:  # learners agree on when the time is up
             stats = mean_over_group(stats, self.learner_group)
         self.time_up = stats.pop("time_up") > 0
-        return stats, self._carried.get("env_steps", 0) + round(stats.pop("env_steps") * self.sl.learner_ranks)
+        return stats, self.ledger.carried_env_steps + round(stats.pop("env_steps") * self.sl.learner_ranks)
 
     def _handoff(self, wait: bool) -> None:
         """Give the broadcast lane a snapshot of the current weights (one copy), unless it
@@ -744,7 +739,7 @@ class Swimlane:
             if self.stop_event.is_set():
                 return
         if not self._snap_free.is_set():
-            self.counters["publish_skipped_busy"] += 1
+            self.ledger.add("publish_skipped_busy")
             self._handoff_pending = True  # published as soon as the lane is free
             return
         self._handoff_pending = False
@@ -765,7 +760,7 @@ class Swimlane:
                 self.bc.publish(version)
             if self.is_rollout:
                 self.weights.write(version, self.snap_flats)
-        self.counters["publishes"] += 1
+        self.ledger.add("publishes")
 
     def _broadcast_lane(self) -> None:
         """Rank 0: publish the starting weights (version 0, or the resumed version), then every
@@ -870,37 +865,20 @@ class Swimlane:
     def _discard(self, item) -> None:
         if item is None:
             return
-        self.counters["discarded_after_run"] += 1
+        self.ledger.add("discarded_after_run")
         if self.world_size > 1:
             self.source.receiver.counters.dropped["run_ended"] += 1
         if item[2] is not None:
             item[2]()  # the rollout buffers go back to the pool
 
     def chunk_accounting(self) -> dict[str, int]:
-        """Where every chunk sent to this learner went. ``sent`` (what the senders report:
-        their end-of-run totals, or heartbeats and sequence numbers for one that died) is
-        the sum of ``received`` (consumed, dropped stale, rejected as invalid, discarded
-        after the run), ``lost_dead_peer`` (sent by a sender that died, never arrived) and
-        ``in_flight_at_exit`` (a live sender's chunks not yet arrived when the run
-        stopped); ``unaccounted`` must be 0. In one process ``sent`` is this rank's count."""
-        c = self.counters
-        acc = {"consumed": c["chunks_consumed"], "dropped_stale": c["dropped_stale"], "rejected_invalid": 0,
-               "discarded_after_run": c["discarded_after_run"], "lost_dead_peer": 0, "in_flight_at_exit": 0}
+        """Where every chunk sent to this learner went (:func:`swimlane.ledger.chunk_accounting`)."""
         if self.world_size == 1:
-            acc["sent"] = c["chunks_sent"]
-        else:
-            src = self.source
-            acc["rejected_invalid"] = src.invalid
-            reported, dead = src.receiver.reported_sent, set(src.receiver.dead_peers)
-            acc["sent"] = 0
-            for sender in sorted(set(self.expected_senders) | set(src.received) | set(reported)):
-                sent = src.ended.get(sender, reported.get(sender, 0))
-                acc["sent"] += sent
-                missing = sent - src.received[sender]
-                acc["lost_dead_peer" if sender in dead else "in_flight_at_exit"] += missing
-        acc["received"] = sum(acc[k] for k in ("consumed", "dropped_stale", "rejected_invalid", "discarded_after_run"))
-        acc["unaccounted"] = acc["sent"] - acc["received"] - acc["lost_dead_peer"] - acc["in_flight_at_exit"]
-        return acc
+            return chunk_accounting(self.counters, local=True)
+        src = self.source
+        return chunk_accounting(self.counters, local=False, invalid=src.invalid, ended=src.ended,
+                                reported=src.receiver.reported_sent, received=src.received,
+                                dead=src.receiver.dead_peers, expected=self.expected_senders)
 
     def expected_senders_ended(self) -> bool:
         src = self.source
@@ -945,7 +923,7 @@ class Swimlane:
         if self.is_learner:
             summary["chunk_accounting"] = self.chunk_accounting()
             steps = int(self.history[-1]["env_steps"]) if self.history else 0
-            this_attempt = steps - self._carried.get("env_steps", 0)
+            this_attempt = steps - self.ledger.carried_env_steps
             summary.update(env_steps=steps, env_steps_per_s=this_attempt / wall if wall > 0 else 0.0,
                            final_success_rate=self.history[-1]["success_rate"] if self.history else None)
             if "gradient" not in self.lanes_left_running:

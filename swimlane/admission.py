@@ -1,0 +1,33 @@
+"""Admission by weights version (async mode), as a small pure object.
+
+A learner consumes ``chunks_per_update`` chunks per version from the rollout ranks routed
+to it, so a rank's ``c``-th batch of episodes belongs to version about
+``base + c * senders / chunks_per_update``. Starting it with weights more than
+``max_staleness`` versions older than that would produce data the learner drops, so the
+sampling lane waits for newer weights first (and, after a while without any, samples
+anyway: the learner may be short of data because it dropped a chunk).
+"""
+
+from __future__ import annotations
+
+
+class Admission:
+    def __init__(self, base: int, chunks_per_update: int, senders: int, max_staleness: int):
+        if chunks_per_update < 1 or senders < 1:
+            raise ValueError(f"admission: chunks_per_update and senders must be >= 1, "
+                             f"got {chunks_per_update} and {senders}")
+        self.base = base
+        self.per_version = chunks_per_update / senders
+        self.max_staleness = max_staleness
+        self.started = 0
+
+    def needed(self) -> int:
+        """The oldest weights version the next batch of episodes may start with."""
+        return self.base + int(self.started / self.per_version) - self.max_staleness
+
+    def admits(self, latest_version: int) -> bool:
+        return latest_version >= self.needed()
+
+    def start(self) -> None:
+        """A batch of episodes started (admitted, or forced after a throttle timeout)."""
+        self.started += 1

@@ -1,0 +1,87 @@
+"""The swimlane's plain parts, without threads: the ledger and chunk accounting, the
+health checks, and admission by weights version."""
+
+import pytest
+
+from swimlane.admission import Admission
+from swimlane.health import FailureBudget, StallTimer, dead_senders
+from swimlane.ledger import COUNTERS, Ledger, chunk_accounting
+
+
+def test_ledger_counts_and_carries_totals_across_a_resume():
+    led = Ledger()
+    led.add("chunks_sent")
+    led.add("env_steps_sampled", 40)
+    assert led["chunks_sent"] == 1 and led["env_steps_sampled"] == 40
+    with pytest.raises(KeyError, match="unknown counter 'chunk_sent'"):
+        led.add("chunk_sent")
+    led.carry({"chunks_sent": 5, "env_steps_sampled": 100}, env_steps=96)  # an older checkpoint
+    totals = led.totals()
+    assert totals["chunks_sent"] == 6 and totals["env_steps_sampled"] == 140 and totals["publishes"] == 0
+    assert led.carried_env_steps == 96 and set(totals) == set(COUNTERS)
+    assert set(COUNTERS.values()) <= {"sampling", "gradient", "broadcast"}  # one writing lane each
+
+
+def test_chunk_accounting_in_one_process_and_across_senders():
+    counts = {**dict.fromkeys(COUNTERS, 0), "chunks_sent": 9, "chunks_consumed": 6, "dropped_stale": 2,
+              "discarded_after_run": 1}
+    local = chunk_accounting(counts, local=True)
+    assert local["sent"] == 9 and local["received"] == 9 and local["unaccounted"] == 0
+    # Sender a ended (said 5), b died after 4 (3 arrived), c is alive with 2 not yet arrived.
+    counts = {**counts, "chunks_consumed": 7, "dropped_stale": 1, "discarded_after_run": 0}
+    acc = chunk_accounting(counts, local=False, invalid=1, ended={"a": 5}, reported={"b": 4, "c": 3},
+                           received={"a": 5, "b": 3, "c": 1}, dead=["b"], expected=["a", "b", "c"])
+    assert acc["sent"] == 12 and acc["received"] == 9
+    assert acc["lost_dead_peer"] == 1 and acc["in_flight_at_exit"] == 2 and acc["unaccounted"] == 0
+    # A mismatch between what arrived and what was counted shows as unaccounted.
+    live = chunk_accounting(counts, local=False, invalid=1, ended={"a": 12}, received={"a": 9}, expected=["a"])
+    assert live["in_flight_at_exit"] == 3 and live["unaccounted"] == 0
+    off = chunk_accounting(counts, local=False, invalid=0, ended={"a": 12}, received={"a": 9}, expected=["a"])
+    assert off["unaccounted"] == 1
+
+
+def test_stall_timer_counts_only_progress():
+    now = [100.0]
+    timer = StallTimer(5.0, clock=lambda: now[0])
+    now[0] = 104.0
+    assert timer.stalled_for() is None
+    now[0] = 105.5
+    assert timer.stalled_for() == pytest.approx(5.5)
+    timer.progress()
+    now[0] = 108.0
+    assert timer.stalled_for() is None
+    off = StallTimer(0.0, clock=lambda: now[0])
+    now[0] = 1e9
+    assert off.stalled_for() is None
+
+
+def test_failure_budget_is_per_group_and_consecutive():
+    budget = FailureBudget(groups=2, limit=3)
+    assert not budget.failed(0) and not budget.failed(0)
+    budget.succeeded(0)  # a good step resets the count
+    assert not budget.failed(0) and not budget.failed(1) and not budget.failed(0)
+    assert budget.failed(0)  # third in a row
+    assert budget.in_a_row == [3, 1]
+
+
+def test_dead_senders_are_those_silent_before_ending():
+    assert dead_senders(["h:1", "h:2", "h:3"], ended=["h:2"], dead_peers=["h:2", "h:3", "x:9"]) == ["h:3"]
+
+
+def test_admission_waits_for_weights_the_learner_will_accept():
+    # One sender feeds a learner that takes 2 chunks per update: each batch is half a version.
+    adm = Admission(base=0, chunks_per_update=2, senders=1, max_staleness=1)
+    assert adm.admits(0)
+    needs = []
+    for _ in range(6):
+        needs.append(adm.needed())
+        adm.start()
+    assert needs == [-1, -1, 0, 0, 1, 1]
+    assert adm.needed() == 2 and not adm.admits(1) and adm.admits(2)  # 6 batches: version 3, minus 1
+    two = Admission(base=0, chunks_per_update=1, senders=2, max_staleness=0)  # each batch: 2 versions
+    two.start()
+    assert two.needed() == 2
+    resumed = Admission(base=7, chunks_per_update=4, senders=1, max_staleness=0)
+    assert resumed.needed() == 7
+    with pytest.raises(ValueError, match="senders must be >= 1"):
+        Admission(base=0, chunks_per_update=1, senders=0, max_staleness=1)
