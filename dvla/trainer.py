@@ -21,7 +21,7 @@ from dvla.config import JobConfig, dump_yaml
 from dvla.distributed import allreduce_mean_grads, mean_over_group, resolve_device
 from dvla.envs import make_env
 from dvla.metrics import MetricsLogger
-from dvla.policy import PolicySpec, VLAPolicy, build_policy
+from dvla.policy import PolicySpec, build_policy
 from dvla.rollout import RolloutTimes, collect_episodes, episode_stats
 from dvla.types import RolloutBatch
 

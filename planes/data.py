@@ -53,11 +53,10 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import msgpack
 import numpy
-import torch
 import zmq
 from torch import Tensor
 

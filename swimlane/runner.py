@@ -45,7 +45,6 @@ import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -60,18 +59,18 @@ from dvla.config import ConfigError, JobConfig, dump_yaml
 from dvla.distributed import allreduce_mean_grads, mean_over_group, resolve_device
 from dvla.envs import env_spec, make_env
 from dvla.metrics import MetricsLogger
-from dvla.policy import ActOutput, PolicySpec, build_policy
-from dvla.rollout import EpisodeRecorder, episode_stats
-from dvla.types import Observation, RolloutBatch
+from dvla.policy import PolicySpec, build_policy
+from dvla.rollout import episode_stats
+from dvla.types import RolloutBatch
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget
 from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchical_stages, module_weights,
                             new_control_group)
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
-from swimlane.admission import Admission
 from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, concat
-from swimlane.health import FailureBudget, StallTimer, dead_senders
+from swimlane.health import StallTimer, dead_senders
+from swimlane.lanes import InferenceLane, Request, SamplingConfig, SamplingLane
 from swimlane.ledger import Ledger, chunk_accounting
 from swimlane.trace import Tracer, utilization
 from swimlane.weights import DoubleBufferedWeights
@@ -103,28 +102,6 @@ class LaneError(RuntimeError):
         super().__init__(f"swimlane lane '{lane}' failed: {type(exc).__name__}: {exc}\n{tb}")
         self.lane = lane
         self.original = exc
-
-
-@dataclass
-class _Request:
-    group: int
-    kind: str  # "act" | "value"
-    obs: Observation
-
-
-def _cat_obs(obs: list[Observation], lease=None) -> Observation:
-    """One observation batch from several requests (into ``lease``'s pool when given)."""
-    if len(obs) == 1:
-        return obs[0]
-
-    def cat(ts):
-        if lease is None:
-            return torch.cat(ts)
-        out = lease.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype)
-        return torch.cat(ts, out=out)
-
-    return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]),
-                       instruction_ids=cat([o.instruction_ids for o in obs]))
 
 
 def _truncate_metrics(path: Path, version: int) -> None:
@@ -249,7 +226,7 @@ class Swimlane:
         self._setup_data_plane(data_plane or cfg.data_plane)
 
         # Lane state.
-        self._requests: queue.Queue[_Request] = queue.Queue()
+        self._requests: queue.Queue[Request] = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._snap_ready = threading.Event()
         self._snap_free = threading.Event()
@@ -411,187 +388,28 @@ class Swimlane:
     def _rollout_stopping(self) -> bool:
         return self.rollout_stop.is_set() or self.stop_event.is_set()
 
-    # -- sampling lane ---------------------------------------------------------------------
+    # -- sampling and inference lanes ---------------------------------------------------
     def _sampling_lane(self) -> None:
-        tr = self.tracer
-        with tr.span("sampling", "wait"):
-            if not self.weights.wait_for(0, self.rollout_stop):
-                return
-        base = self.weights.latest_version  # the first published version (> 0 after a resume)
-        G = len(self.envs)
-        n_rollout = len(self.rollout_ranks)
-        ridx = self.rollout_ranks.index(self.rank)
-        n_groups = self.cfg.env.n_envs // self.group_size
-        chunk_idx = [0] * G
-        recs: list[EpisodeRecorder | None] = [None] * G
-        K = self.cfg.policy.action_chunk
-        has_value = self.policy.has_value_head
+        SamplingLane(
+            envs=self.envs, prepare=self.policy.prepare, requests=self._requests, replies=self._replies,
+            sink=self.sink, weights=self.weights, tracer=self.tracer, ledger=self.ledger,
+            stop=self.rollout_stop, halt=self.stop_event,
+            host_pool=self.host_pool if self.memory is not None else None,
+            cfg=SamplingConfig(
+                mode=self.sl.mode, n_envs=self.cfg.env.n_envs, group_size=self.group_size,
+                episode_len=self.cfg.env.episode_len, action_chunk=self.cfg.policy.action_chunk,
+                has_value=self.policy.has_value_head, chunks_per_update=self.sl.chunks_per_update,
+                senders=len(self.placement.senders_of(self.placement.routes[self.rank])),
+                max_staleness=self.sl.max_staleness, max_env_failures=self.sl.max_env_failures,
+                rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
+                rollout_ranks=len(self.rollout_ranks), throttle_s=_THROTTLE_S, poll_s=_POLL_S),
+        ).run()
 
-        # Admission control (async, :mod:`swimlane.admission`): wait for weights the
-        # learner will still accept before starting a batch of episodes.
-        n_routed = len(self.placement.senders_of(self.placement.routes[self.rank]))
-        admission = Admission(base, self.sl.chunks_per_update, n_routed, self.sl.max_staleness)
-
-        leases = [None] * G
-        failures = FailureBudget(G, self.sl.max_env_failures)
-
-        def recover(g: int, exc: Exception) -> None:
-            """A simulator error in group ``g``: drop its batch of episodes, count it, and
-            reset the group, unless it keeps failing (then the run stops with the error)."""
-            spent = failures.failed(g)
-            self.ledger.add("env_errors")
-            now = time.perf_counter()
-            tr.add("sampling", "env_error", now, now)
-            if leases[g] is not None:
-                leases[g].release()
-            recs[g] = leases[g] = None
-            if spent:
-                raise RuntimeError(f"env group {g} failed {failures.in_a_row[g]} times in a row "
-                                   f"(swimlane.max_env_failures={self.sl.max_env_failures}): {exc!r}") from exc
-            log.error("env group %d failed (%d in a row), resetting it: %r", g, failures.in_a_row[g], exc)
-
-        def start(g: int) -> None:
-            admission.start()
-            with tr.span("sampling", "reset"):
-                while True:
-                    try:
-                        raw = self.envs[g].reset(self.group_size)
-                        break
-                    except Exception as exc:  # the reset failed: count it, maybe give up, try again
-                        recover(g, exc)
-                obs = self.policy.prepare(raw)
-                alloc = None
-                if self.memory is not None:  # rollout buffers from the transient pool
-                    leases[g] = self.host_pool.lease()
-                    alloc = leases[g].empty
-                recs[g] = EpisodeRecorder(self.envs[g], K, self.cfg.env.episode_len, alloc=alloc)
-                recs[g].start(obs)
-            self._requests.put(_Request(g, "act", obs))
-
-        def emit(g: int, last_value) -> None:
-            offset = ((chunk_idx[g] * n_rollout + ridx) * G + g) * n_groups
-            batch = recs[g].build(torch.arange(self.cfg.env.n_envs) // self.group_size + offset, last_value)
-            meta = {"rank": self.rank, "group": g, "chunk": chunk_idx[g]}
-            chunk_idx[g] += 1
-            on_done = leases[g].release if leases[g] is not None else None
-            recs[g] = leases[g] = None
-            with tr.span("sampling", "send"):
-                if self.sink.put(batch, meta, self.rollout_stop, on_done):
-                    self.ledger.add("chunks_sent")
-
-        def on_reply(g: int, kind: str, out, version: int) -> bool:
-            """Advance group ``g``; True when its batch of episodes is complete."""
-            if kind == "value":
-                emit(g, out)
-                return True
-            try:
-                with tr.span("sampling", "sim"):
-                    res = self.envs[g].step(out.actions)
-            except Exception as exc:
-                recover(g, exc)
-                start(g)  # a fresh batch of episodes for this group
-                return False
-            failures.succeeded(g)
-            obs = recs[g].record(out, res, version)
-            if not recs[g].finished:
-                self._requests.put(_Request(g, "act", obs))
-                return False
-            if has_value:
-                self._requests.put(_Request(g, "value", obs))
-                return False
-            emit(g, None)
-            return True
-
-        def next_reply():
-            with tr.span("sampling", "wait"):
-                while not self._rollout_stopping():
-                    try:
-                        return self._replies.get(timeout=_POLL_S)
-                    except queue.Empty:
-                        continue
-            return None
-
-        if self.sl.mode == "async":
-            parked = list(range(G))  # groups waiting to start a new batch of episodes
-
-            def start_admitted() -> None:
-                while parked and admission.admits(self.weights.latest_version):
-                    start(parked.pop(0))
-
-            start_admitted()
-            while not self._rollout_stopping():
-                if len(parked) == G:  # every group throttled: wait for newer weights
-                    with tr.span("sampling", "throttle"):
-                        fresh = self.weights.wait_for(admission.needed(), self.rollout_stop, timeout=_THROTTLE_S)
-                    if not fresh and not self._rollout_stopping():
-                        # No new version for a while although we produce nothing: the learner
-                        # is short of data (it dropped a chunk). Sample with the newest weights.
-                        self.ledger.add("throttle_timeouts")
-                        start(parked.pop(0))
-                    start_admitted()
-                    continue
-                item = next_reply()
-                if item is None:
-                    break
-                if on_reply(*item):
-                    parked.append(item[0])
-                    start_admitted()
-        else:
-            round_ = base
-            while not self._rollout_stopping():
-                with tr.span("sampling", "wait"):  # barrier: the weights learned from the last round
-                    if not self.weights.wait_for(round_, self.rollout_stop):
-                        break
-                for g in range(G):
-                    start(g)
-                    while (item := next_reply()) is not None and not on_reply(*item):
-                        pass
-                    if item is None:
-                        break
-                round_ += 1
-        if self.sink is not None and not self.stop_event.is_set():
-            self.sink.end({"rank": self.rank, "chunks": self.counters["chunks_sent"]})
-
-    # -- inference lane --------------------------------------------------------------------
-    @torch.no_grad()
     def _inference_lane(self) -> None:
-        tr = self.tracer
-        while not self._rollout_stopping():
-            try:
-                reqs = [self._requests.get(timeout=_POLL_S)]
-            except queue.Empty:
-                continue
-            if self.sl.mode == "async":
-                while True:
-                    try:
-                        reqs.append(self._requests.get_nowait())
-                    except queue.Empty:
-                        break
-            policy, version = self.weights.acquire()
-            for kind in ("act", "value"):
-                batch = [r for r in reqs if r.kind == kind]
-                if not batch:
-                    continue
-                with tr.span("inference", "infer" if kind == "act" else "value"):
-                    lease = self.memory.transient.lease() if self.memory is not None else None
-                    obs = _cat_obs([r.obs for r in batch], lease)
-                    if kind == "act":
-                        out = policy.act(obs, generator=self.sample_gen)
-                    else:
-                        out = policy.value(obs)
-                    if lease is not None:
-                        lease.release()
-                    start = 0
-                    for r in batch:
-                        n = r.obs.batch_size
-                        if kind == "act":
-                            part = ActOutput(actions=out.actions[start : start + n],
-                                             log_probs=out.log_probs[start : start + n],
-                                             values=out.values[start : start + n])
-                        else:
-                            part = out[start : start + n]
-                        self._replies.put((r.group, kind, part, version))
-                        start += n
+        InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
+                      generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
+                      pool=self.memory.transient if self.memory is not None else None,
+                      poll_s=_POLL_S).run(self._rollout_stopping)
 
     # -- gradient lane ---------------------------------------------------------------------
     def _chunks_per_update(self) -> int:

@@ -85,3 +85,72 @@ def test_admission_waits_for_weights_the_learner_will_accept():
     assert resumed.needed() == 7
     with pytest.raises(ValueError, match="senders must be >= 1"):
         Admission(base=0, chunks_per_update=1, senders=0, max_staleness=1)
+
+
+def _lanes_on_fast_reach(mode="async", groups=2):
+    """A sampling and an inference lane joined by plain queues, on the pure-torch env."""
+    import copy
+    import queue
+    import threading
+
+    import torch
+
+    from dvla.config import EnvConfig
+    from dvla.envs import make_env
+    from dvla.policy import PolicySpec, build_policy
+    from planes.control import flat_buckets
+    from swimlane.chunks import LocalChunks
+    from swimlane.lanes import InferenceLane, SamplingConfig, SamplingLane
+    from swimlane.trace import Tracer
+    from swimlane.weights import DoubleBufferedWeights
+
+    torch.manual_seed(0)
+    env_cfg = EnvConfig(name="fast_reach", n_envs=4, episode_len=3, image_size=16)
+    envs = [make_env(env_cfg, seed=g) for g in range(groups)]
+    spec = envs[0].spec
+    policy = build_policy("tiny_vla", PolicySpec(spec.image_shape, spec.proprio_dim, spec.action_dim, 1),
+                          {"hidden_dim": 16, "vision_channels": 4, "embed_dim": 4, "n_bins": 5})
+    replicas = [copy.deepcopy(policy).requires_grad_(False) for _ in range(2)]
+    weights = DoubleBufferedWeights(replicas, [flat_buckets(r) for r in replicas])
+    weights.write(0, flat_buckets(copy.deepcopy(policy)))
+    requests, replies, sink = queue.Queue(), queue.Queue(), LocalChunks(capacity=16)
+    tracer, ledger, stop = Tracer(), Ledger(), threading.Event()
+    cfg = SamplingConfig(mode=mode, n_envs=4, group_size=2, episode_len=3, action_chunk=1, has_value=False,
+                         chunks_per_update=1, senders=1, max_staleness=1, max_env_failures=2, rank=0,
+                         rollout_index=0, rollout_ranks=1, throttle_s=0.01, poll_s=0.01)
+    sampling = SamplingLane(envs=envs, prepare=policy.prepare, requests=requests, replies=replies, sink=sink,
+                            weights=weights, tracer=tracer, ledger=ledger, cfg=cfg, stop=stop,
+                            halt=threading.Event())
+    inference = InferenceLane(requests=requests, replies=replies, weights=weights,
+                              generator=torch.Generator().manual_seed(1), tracer=tracer, batch_all=True)
+    return sampling, inference, sink, weights, ledger, requests
+
+
+def test_sampling_and_inference_lanes_step_in_one_thread():
+    """A serial driver: the lanes' step() in turn, no threads. Both groups' requests go
+    into one forward pass; each finished batch of episodes becomes a chunk stamped with
+    the weights version, with GRPO group ids unique across groups and chunks."""
+    from swimlane.admission import Admission
+
+    sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach()
+    sampling.admission = Admission(0, 1, 1, 1)
+    sampling.parked = [0, 1]
+    sampling.start_admitted()  # version 0 admits two batches (the learner takes 1 chunk per version)
+    assert requests.qsize() == 2 and sampling.parked == []
+    assert inference.step() and requests.qsize() == 0  # one pass answered both groups
+    chunks = []
+    for _ in range(40):
+        inference.step()
+        assert sampling.step()
+        while (item := sink.get(timeout=0.0)) is not None:
+            chunks.append(item)
+        if len(chunks) == 2:
+            break
+    assert len(chunks) == 2 and ledger["chunks_sent"] == 2
+    ids = set()
+    for batch, meta, _ in chunks:
+        assert batch.actions.shape[:2] == (3, 4) and bool((batch.policy_version[batch.valid] == 0).all())
+        ids |= set(batch.group_ids.tolist())
+    assert ids == {0, 1, 2, 3}  # 2 GRPO groups per env group, 2 env groups
+    # Both groups are parked again: version 0 admits no third batch (it would be too stale).
+    assert sorted(sampling.parked) == [0, 1] and not sampling.admission.admits(weights.latest_version)

@@ -132,7 +132,7 @@ def test_two_launches_two_directories_then_resume_and_trace_the_latest(tmp_path)
         assert f"[dvla] run directory: {rel}" in proc.stderr
 
     resumed = launch("--resume", "run.iterations=2", cwd=tmp_path)
-    assert "(resumed from update 1)" in resumed.stdout and f"continuing it" in resumed.stderr
+    assert "(resumed from update 1)" in resumed.stdout and "continuing it" in resumed.stderr
     summary = json.loads((runs[1] / "summary.json").read_text())
     assert summary["resumed_from"] == 1 and summary["version"] == 2
     assert len([p for p in base.iterdir() if p.name != LATEST]) == 2  # no new directory

@@ -1,0 +1,8 @@
+"""The swimlane's lanes, one class per file, each built from its dependencies and the
+channels that join it to the others."""
+
+from swimlane.lanes.inference import InferenceLane
+from swimlane.lanes.messages import Reply, Request
+from swimlane.lanes.sampling import SamplingConfig, SamplingLane
+
+__all__ = ["InferenceLane", "Reply", "Request", "SamplingConfig", "SamplingLane"]

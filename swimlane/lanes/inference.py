@@ -1,0 +1,82 @@
+"""The inference lane: batches every pending request into one forward pass on the newest
+weights and answers each env group with its share, stamped with the weights version."""
+
+from __future__ import annotations
+
+import queue
+from typing import Callable
+
+import torch
+
+from dvla.policy import ActOutput
+from dvla.types import Observation
+from swimlane.lanes.messages import Reply, Request
+from swimlane.trace import Tracer
+from swimlane.weights import DoubleBufferedWeights
+
+
+def cat_obs(obs: list[Observation], lease=None) -> Observation:
+    """One observation batch from several requests (into ``lease``'s pool when given)."""
+    if len(obs) == 1:
+        return obs[0]
+
+    def cat(ts):
+        if lease is None:
+            return torch.cat(ts)
+        out = lease.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype)
+        return torch.cat(ts, out=out)
+
+    return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]),
+                       instruction_ids=cat([o.instruction_ids for o in obs]))
+
+
+class InferenceLane:
+    """``requests`` in, ``replies`` out. In async mode a step takes every request waiting
+    (one forward pass for all groups); in sync mode one at a time."""
+
+    def __init__(self, *, requests: queue.Queue, replies: queue.Queue, weights: DoubleBufferedWeights,
+                 generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05):
+        self.requests, self.replies = requests, replies
+        self.weights, self.generator, self.tracer = weights, generator, tracer
+        self.batch_all, self.pool, self.poll_s = batch_all, pool, poll_s
+
+    def run(self, stopping: Callable[[], bool]) -> None:
+        while not stopping():
+            self.step(timeout=self.poll_s)
+
+    @torch.no_grad()
+    def step(self, timeout: float = 0.0) -> bool:
+        """Answer the requests waiting (wait up to ``timeout`` for one); False if none came."""
+        try:
+            reqs: list[Request] = [self.requests.get(timeout=timeout) if timeout else self.requests.get_nowait()]
+        except queue.Empty:
+            return False
+        while self.batch_all:
+            try:
+                reqs.append(self.requests.get_nowait())
+            except queue.Empty:
+                break
+        policy, version = self.weights.acquire()
+        for kind in ("act", "value"):
+            batch = [r for r in reqs if r.kind == kind]
+            if batch:
+                with self.tracer.span("inference", "infer" if kind == "act" else "value"):
+                    self._answer(policy, version, kind, batch)
+        return True
+
+    def _answer(self, policy, version: int, kind: str, batch: list[Request]) -> None:
+        lease = self.pool.lease() if self.pool is not None else None
+        obs = cat_obs([r.obs for r in batch], lease)
+        out = policy.act(obs, generator=self.generator) if kind == "act" else policy.value(obs)
+        if lease is not None:
+            lease.release()
+        start = 0
+        for r in batch:
+            n = r.obs.batch_size
+            if kind == "act":
+                part = ActOutput(actions=out.actions[start : start + n], log_probs=out.log_probs[start : start + n],
+                                 values=out.values[start : start + n])
+            else:
+                part = out[start : start + n]
+            self.replies.put(Reply(r.group, kind, part, version))
+            start += n

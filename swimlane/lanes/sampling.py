@@ -1,0 +1,221 @@
+"""The sampling lane: steps the env groups, asks the inference lane for actions, records
+episodes and sends each finished batch of episodes (a chunk) to the learner.
+
+Every env group has its own state (:class:`GroupState`): its recorder, its buffer lease,
+the number of chunks it has sent. In async mode each group's next request is in flight
+while another group simulates; a group starts a new batch of episodes only when the
+weights are fresh enough for the learner to accept its data (:mod:`swimlane.admission`).
+In sync mode the groups run one after the other in rounds, each round on the weights
+learned from the one before.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from dvla.rollout import EpisodeRecorder
+from swimlane.admission import Admission
+from swimlane.health import FailureBudget
+from swimlane.lanes.messages import Reply, Request
+from swimlane.ledger import Ledger
+from swimlane.trace import Tracer
+from swimlane.weights import DoubleBufferedWeights
+
+log = logging.getLogger("dvla.swimlane")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """What the lane needs to know of the run."""
+
+    mode: str  # "async" | "sync"
+    n_envs: int  # per env group
+    group_size: int
+    episode_len: int
+    action_chunk: int
+    has_value: bool
+    chunks_per_update: int
+    senders: int  # rollout ranks whose chunks go to our learner (admission)
+    max_staleness: int
+    max_env_failures: int
+    rank: int
+    rollout_index: int  # this rank's position among the rollout ranks (episode group ids)
+    rollout_ranks: int
+    throttle_s: float = 2.0
+    poll_s: float = 0.05
+
+
+@dataclass
+class GroupState:
+    recorder: EpisodeRecorder | None = None
+    lease: Any = None
+    chunks: int = 0  # chunks this group has sent
+
+
+class SamplingLane:
+    def __init__(self, *, envs: list, prepare: Callable, requests: queue.Queue, replies: queue.Queue, sink,
+                 weights: DoubleBufferedWeights, tracer: Tracer, ledger: Ledger, cfg: SamplingConfig,
+                 stop: threading.Event, halt: threading.Event, host_pool=None):
+        """``stop``: the rollouts should stop (also set when the run stops); ``halt``: the
+        whole run is stopping (then the sink is not told that this rank ended)."""
+        self.envs, self.prepare = envs, prepare
+        self.requests, self.replies, self.sink = requests, replies, sink
+        self.weights, self.tracer, self.ledger, self.cfg = weights, tracer, ledger, cfg
+        self.stop, self.halt, self.host_pool = stop, halt, host_pool
+        self.groups = [GroupState() for _ in envs]
+        self.failures = FailureBudget(len(envs), cfg.max_env_failures)
+        self.admission: Admission | None = None
+        self.parked: list[int] = []  # async: groups waiting to start a new batch of episodes
+
+    def stopping(self) -> bool:
+        return self.stop.is_set() or self.halt.is_set()
+
+    # -- one group ------------------------------------------------------------------------
+    def start(self, g: int) -> None:
+        """Reset group ``g`` and ask for its first actions."""
+        self.admission.start()
+        state, env = self.groups[g], self.envs[g]
+        with self.tracer.span("sampling", "reset"):
+            while True:
+                try:
+                    raw = env.reset(self.cfg.group_size)
+                    break
+                except Exception as exc:  # the reset failed: count it, maybe give up, try again
+                    self.recover(g, exc)
+            obs = self.prepare(raw)
+            alloc = None
+            if self.host_pool is not None:  # rollout buffers from the transient pool
+                state.lease = self.host_pool.lease()
+                alloc = state.lease.empty
+            state.recorder = EpisodeRecorder(env, self.cfg.action_chunk, self.cfg.episode_len, alloc=alloc)
+            state.recorder.start(obs)
+        self.requests.put(Request(g, "act", obs))
+
+    def recover(self, g: int, exc: Exception) -> None:
+        """A simulator error in group ``g``: drop its batch of episodes, count it, and reset
+        the group, unless it keeps failing (then the run stops with the error)."""
+        spent = self.failures.failed(g)
+        self.ledger.add("env_errors")
+        now = time.perf_counter()
+        self.tracer.add("sampling", "env_error", now, now)
+        state = self.groups[g]
+        if state.lease is not None:
+            state.lease.release()
+        state.recorder = state.lease = None
+        n = self.failures.in_a_row[g]
+        if spent:
+            raise RuntimeError(f"env group {g} failed {n} times in a row "
+                               f"(swimlane.max_env_failures={self.cfg.max_env_failures}): {exc!r}") from exc
+        log.error("env group %d failed (%d in a row), resetting it: %r", g, n, exc)
+
+    def emit(self, g: int, last_value) -> None:
+        """Send group ``g``'s finished batch of episodes to the learner."""
+        c, state = self.cfg, self.groups[g]
+        n_groups = c.n_envs // c.group_size  # GRPO groups per batch: ids unique across the run
+        offset = ((state.chunks * c.rollout_ranks + c.rollout_index) * len(self.envs) + g) * n_groups
+        batch = state.recorder.build(torch.arange(c.n_envs) // c.group_size + offset, last_value)
+        meta = {"rank": c.rank, "group": g, "chunk": state.chunks}
+        state.chunks += 1
+        on_done = state.lease.release if state.lease is not None else None
+        state.recorder = state.lease = None
+        with self.tracer.span("sampling", "send"):
+            if self.sink.put(batch, meta, self.stop, on_done):
+                self.ledger.add("chunks_sent")
+
+    def on_reply(self, reply: Reply) -> bool:
+        """Advance the reply's group; True when its batch of episodes is complete."""
+        g, state = reply.group, self.groups[reply.group]
+        if reply.kind == "value":
+            self.emit(g, reply.out)
+            return True
+        try:
+            with self.tracer.span("sampling", "sim"):
+                res = self.envs[g].step(reply.out.actions)
+        except Exception as exc:
+            self.recover(g, exc)
+            self.start(g)  # a fresh batch of episodes for this group
+            return False
+        self.failures.succeeded(g)
+        obs = state.recorder.record(reply.out, res, reply.version)
+        if not state.recorder.finished:
+            self.requests.put(Request(g, "act", obs))
+            return False
+        if self.cfg.has_value:
+            self.requests.put(Request(g, "value", obs))
+            return False
+        self.emit(g, None)
+        return True
+
+    def next_reply(self) -> Reply | None:
+        with self.tracer.span("sampling", "wait"):
+            while not self.stopping():
+                try:
+                    return Reply(*self.replies.get(timeout=self.cfg.poll_s))
+                except queue.Empty:
+                    continue
+        return None
+
+    # -- the lane -------------------------------------------------------------------------
+    def run(self) -> None:
+        with self.tracer.span("sampling", "wait"):
+            if not self.weights.wait_for(0, self.stop):
+                return
+        base = self.weights.latest_version  # the first published version (> 0 after a resume)
+        c = self.cfg
+        self.admission = Admission(base, c.chunks_per_update, c.senders, c.max_staleness)
+        if c.mode == "async":
+            self.parked = list(range(len(self.envs)))
+            self.start_admitted()
+            while not self.stopping() and self.step():
+                pass
+        else:
+            round_ = base
+            while not self.stopping() and self.sync_round(round_):
+                round_ += 1
+        if self.sink is not None and not self.halt.is_set():
+            self.sink.end({"rank": c.rank, "chunks": self.ledger["chunks_sent"]})
+
+    def start_admitted(self) -> None:
+        while self.parked and self.admission.admits(self.weights.latest_version):
+            self.start(self.parked.pop(0))
+
+    def step(self) -> bool:
+        """Async: one unit of work (wait for admission, or handle one reply); False when
+        the lane should end."""
+        if len(self.parked) == len(self.envs):  # every group throttled: wait for newer weights
+            with self.tracer.span("sampling", "throttle"):
+                fresh = self.weights.wait_for(self.admission.needed(), self.stop, timeout=self.cfg.throttle_s)
+            if not fresh and not self.stopping():
+                # No new version for a while although we produce nothing: the learner is
+                # short of data (it dropped a chunk). Sample with the newest weights.
+                self.ledger.add("throttle_timeouts")
+                self.start(self.parked.pop(0))
+            self.start_admitted()
+            return True
+        reply = self.next_reply()
+        if reply is None:
+            return False
+        if self.on_reply(reply):
+            self.parked.append(reply.group)
+            self.start_admitted()
+        return True
+
+    def sync_round(self, round_: int) -> bool:
+        """Sync: every group samples one batch of episodes on the weights of ``round_``."""
+        with self.tracer.span("sampling", "wait"):  # barrier: the weights learned from the last round
+            if not self.weights.wait_for(round_, self.stop):
+                return False
+        for g in range(len(self.envs)):
+            self.start(g)
+            while (reply := self.next_reply()) is not None and not self.on_reply(reply):
+                pass
+            if reply is None:
+                return False
+        return True
