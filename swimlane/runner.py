@@ -70,7 +70,8 @@ from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchi
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
 from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, concat
 from swimlane.health import StallTimer, dead_senders
-from swimlane.lanes import InferenceLane, Request, SamplingConfig, SamplingLane
+from swimlane.lanes import (InferenceLane, PublishLane, ReceiveLane, Request, SamplingConfig, SamplingLane,
+                            SnapshotSlot)
 from swimlane.ledger import Ledger, chunk_accounting
 from swimlane.trace import Tracer, utilization
 from swimlane.weights import DoubleBufferedWeights
@@ -228,11 +229,7 @@ class Swimlane:
         # Lane state.
         self._requests: queue.Queue[Request] = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
-        self._snap_ready = threading.Event()
-        self._snap_free = threading.Event()
-        self._snap_free.set()
-        self._snap_version = -1
-        self._handoff_pending = False
+        self.slot = SnapshotSlot()  # learner lane -> publish lane (rank 0)
         self.history: list[dict[str, Any]] = []
         self._start_time = time.perf_counter()
         self._start_unix = time.time()
@@ -434,7 +431,7 @@ class Swimlane:
                 chunks: list[RolloutBatch] = []
                 releases: list = []
                 while len(chunks) < need and not self.stop_event.is_set():
-                    if self._handoff_pending and self._snap_free.is_set():
+                    if self.slot.pending and self.slot.free:
                         self._handoff(wait=False)  # a version skipped while the lane was busy
                     with tr.span("gradient", "wait"):
                         item = self.source.get(timeout=_POLL_S)
@@ -550,22 +547,15 @@ class Swimlane:
         return stats, self.ledger.carried_env_steps + round(stats.pop("env_steps") * self.sl.learner_ranks)
 
     def _handoff(self, wait: bool) -> None:
-        """Give the broadcast lane a snapshot of the current weights (one copy), unless it
-        is still sending the previous one and ``wait`` is false: then this version is
-        skipped and a later one goes out (newest weights win)."""
-        while wait and not self._snap_free.wait(_POLL_S):
-            if self.stop_event.is_set():
-                return
-        if not self._snap_free.is_set():
+        """Give the publish lane a snapshot of the current weights (one copy), unless it is
+        still sending the previous one and ``wait`` is false: then this version is skipped
+        and a later one goes out (newest weights win)."""
+        def copy() -> None:
+            with self.tracer.span("gradient", "snapshot"):
+                self._take_snapshot()
+
+        if not self.slot.offer(self.version, copy, wait, self.stop_event, _POLL_S) and self.slot.pending:
             self.ledger.add("publish_skipped_busy")
-            self._handoff_pending = True  # published as soon as the lane is free
-            return
-        self._handoff_pending = False
-        self._snap_free.clear()
-        with self.tracer.span("gradient", "snapshot"):
-            self._take_snapshot()
-        self._snap_version = self.version
-        self._snap_ready.set()
 
     @torch.no_grad()
     def _take_snapshot(self) -> None:
@@ -583,35 +573,16 @@ class Swimlane:
     def _broadcast_lane(self) -> None:
         """Rank 0: publish the starting weights (version 0, or the resumed version), then every
         snapshot handed over."""
-        self._take_snapshot()
-        self._publish(self.version)  # 0, or the version a resumed run starts from
-        while not self.stop_event.is_set():
-            if not self._snap_ready.wait(_POLL_S):
-                if self.learner_done.is_set() and not self._snap_ready.is_set():
-                    break
-                continue
-            self._snap_ready.clear()
-            last = self._snap_version
-            self._publish(last)
-            self._snap_free.set()
-            if last >= self.iterations:
-                break
+        PublishLane(slot=self.slot, publish=lambda v: self._publish(v), snapshot=self._take_snapshot,
+                    last_version=self.iterations, learner_done=self.learner_done,
+                    poll_s=_POLL_S).run(self.version, self.stop_event)
         if self.bc is not None:
             self.bc.shutdown()
         self.rollout_stop.set()
 
     def _receive_lane(self) -> None:
         """Other ranks: receive every published version into the standby replica."""
-        while True:
-            version = self.bc.receive_version()  # idle until the learner publishes
-            if version == SHUTDOWN:
-                break
-            # Pick the standby replica only now: until the data arrives, a version that is
-            # ready but not yet picked up by the inference lane stays available to it.
-            idx = self.weights.begin_write()
-            with self.tracer.span("broadcast", "receive"):
-                self.bc.receive_buckets(version, into=self.weights.flats[idx])
-            self.weights.commit(idx, version)
+        ReceiveLane(broadcaster=self.bc, weights=self.weights, tracer=self.tracer, shutdown_marker=SHUTDOWN).run()
         self.rollout_stop.set()
 
     # -- run -------------------------------------------------------------------------------

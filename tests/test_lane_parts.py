@@ -154,3 +154,24 @@ def test_sampling_and_inference_lanes_step_in_one_thread():
     assert ids == {0, 1, 2, 3}  # 2 GRPO groups per env group, 2 env groups
     # Both groups are parked again: version 0 admits no third batch (it would be too stale).
     assert sorted(sampling.parked) == [0, 1] and not sampling.admission.admits(weights.latest_version)
+
+
+def test_snapshot_slot_hands_over_the_newest_version_and_skips_when_busy():
+    import threading
+
+    from swimlane.lanes import SnapshotSlot
+
+    slot, stop, copies = SnapshotSlot(), threading.Event(), []
+    assert slot.take(0.0) is None
+    assert slot.offer(1, lambda: copies.append(1), wait=False, stop=stop)
+    # The reader has not sent version 1 yet: version 2 is skipped, marked pending, not copied.
+    assert not slot.offer(2, lambda: copies.append(2), wait=False, stop=stop) and slot.pending
+    assert slot.take(0.0) == 1 and not slot.free  # being sent
+    assert not slot.offer(3, lambda: copies.append(3), wait=False, stop=stop)
+    slot.done()
+    assert slot.offer(3, lambda: copies.append(3), wait=False, stop=stop) and not slot.pending
+    assert slot.take(0.0) == 3 and copies == [1, 3]
+    # A waiting offer gives up when the run stops.
+    stop.set()
+    assert not slot.offer(4, lambda: copies.append(4), wait=True, stop=stop, poll_s=0.01)
+    assert not slot.pending and copies == [1, 3]

@@ -1,0 +1,107 @@
+"""The broadcast lane, both ends: rank 0 publishes every snapshot of the learner's
+weights (locally into the standby inference replica, and over the control plane); every
+other rank receives each version into its standby replica.
+
+The learner lane hands snapshots over through a :class:`SnapshotSlot`: one slot, so a
+version the publish lane is too busy to take is skipped and a newer one goes out.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from swimlane.trace import Tracer
+
+
+class SnapshotSlot:
+    """One snapshot of the weights between the learner lane (writer) and the publish lane
+    (reader). The writer copies into it only while the reader is not sending from it."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Event()
+        self._free = threading.Event()
+        self._free.set()
+        self.version = -1
+        self.pending = False  # the writer skipped a version while the slot was busy
+
+    @property
+    def free(self) -> bool:
+        return self._free.is_set()
+
+    def offer(self, version: int, copy: Callable[[], None], wait: bool, stop: threading.Event,
+              poll_s: float = 0.05) -> bool:
+        """Copy the weights in (``copy``) and hand them over as ``version``. When the reader
+        is still sending the previous snapshot: wait for it if ``wait``, else mark the
+        version pending (a later offer goes out instead) and return False."""
+        while wait and not self._free.wait(poll_s):
+            if stop.is_set():
+                return False
+        if not self._free.is_set():
+            self.pending = True
+            return False
+        self.pending = False
+        self._free.clear()
+        copy()
+        self.version = version
+        self._ready.set()
+        return True
+
+    def take(self, timeout: float) -> int | None:
+        """Reader: the version handed over, or None after ``timeout``. Call :meth:`done`
+        when it is sent."""
+        if not self._ready.wait(timeout):
+            return None
+        self._ready.clear()
+        return self.version
+
+    def done(self) -> None:
+        self._free.set()
+
+
+class PublishLane:
+    """Rank 0: publish the starting weights, then every snapshot handed over, until the
+    last version (or the learner ended without handing more)."""
+
+    def __init__(self, *, slot: SnapshotSlot, publish: Callable[[int], None], snapshot: Callable[[], None],
+                 last_version: int, learner_done: threading.Event, poll_s: float = 0.05):
+        self.slot, self.publish, self.snapshot = slot, publish, snapshot
+        self.last_version, self.learner_done, self.poll_s = last_version, learner_done, poll_s
+
+    def run(self, start_version: int, stop: threading.Event) -> None:
+        self.snapshot()
+        self.publish(start_version)  # 0, or the version a resumed run starts from
+        while not stop.is_set():
+            version = self.slot.take(self.poll_s)
+            if version is None:
+                if self.learner_done.is_set() and self.slot.free:
+                    break  # the learner ended and nothing is waiting to go out
+                continue
+            self.publish(version)
+            self.slot.done()
+            if version >= self.last_version:
+                break
+
+
+class ReceiveLane:
+    """Every other rank: receive each published version into the standby replica."""
+
+    def __init__(self, *, broadcaster, weights, tracer: Tracer, shutdown_marker: int):
+        self.bc, self.weights, self.tracer, self.shutdown_marker = broadcaster, weights, tracer, shutdown_marker
+
+    def step(self) -> bool:
+        """Receive one version (blocks until the learner publishes); False at shutdown."""
+        version = self.bc.receive_version()
+        if version == self.shutdown_marker:
+            return False
+        # Pick the standby replica only now: until the data arrives, a version that is
+        # ready but not yet picked up by the inference lane stays available to it.
+        idx = self.weights.begin_write()
+        with self.tracer.span("broadcast", "receive"):
+            self.bc.receive_buckets(version, into=self.weights.flats[idx])
+        self.weights.commit(idx, version)
+        return True
+
+    def run(self) -> None:
+        while self.step():
+            pass
