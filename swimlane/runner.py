@@ -68,10 +68,10 @@ from memory import BudgetError, MemoryManager, TransientPool, parse_budget
 from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchical_stages, module_weights,
                             new_control_group)
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
-from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, concat
+from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource
 from swimlane.health import StallTimer, dead_senders
-from swimlane.lanes import (InferenceLane, PublishLane, ReceiveLane, Request, SamplingConfig, SamplingLane,
-                            SnapshotSlot)
+from swimlane.lanes import (InferenceLane, LearnerConfig, LearnerLane, PublishLane, ReceiveLane, Request,
+                            SamplingConfig, SamplingLane, SnapshotSlot, Update)
 from swimlane.ledger import Ledger, chunk_accounting
 from swimlane.trace import Tracer, utilization
 from swimlane.weights import DoubleBufferedWeights
@@ -115,11 +115,6 @@ def _truncate_metrics(path: Path, version: int) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
-
-
-def env_steps(batch: RolloutBatch) -> int:
-    """Env steps simulated for a chunk: decisions taken x envs (as the sync trainer counts)."""
-    return int(batch.valid.any(dim=1).sum()) * batch.num_envs
 
 
 class Swimlane:
@@ -418,84 +413,58 @@ class Swimlane:
     def _gradient_lane(self) -> None:
         if self.sl.gradient_nice:
             lower_thread_priority(self.sl.gradient_nice)
-        tr = self.tracer
-        need = self._chunks_per_update()
         lead = self.rank == 0
-        logger = MetricsLogger(self.out_dir, self.iterations, enabled=lead, progress=self.cfg.run.progress,
-                               initial=self.version, tensorboard=self.cfg.run.tensorboard)
-        steps_total = 0
+        self._logger = MetricsLogger(self.out_dir, self.iterations, enabled=lead, progress=self.cfg.run.progress,
+                                     initial=self.version, tensorboard=self.cfg.run.tensorboard)
         self._env_steps = self.ledger.carried_env_steps
-        stall = StallTimer(self.sl.stall_timeout_s)
+        lane = LearnerLane(
+            source=self.source, algo=self.algo, generator=self.learn_gen, ledger=self.ledger, tracer=self.tracer,
+            cfg=LearnerConfig(need=self._chunks_per_update(), max_staleness=self.sl.max_staleness,
+                              iterations=self.iterations, stop_rollouts_before_last=self.sl.mode == "async",
+                              poll_s=_POLL_S),
+            version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
+            stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
+            stop_rollouts=self.rollout_stop.set, activations=self._activations)
         try:
-            while self.version < self.iterations and not self.stop_event.is_set():
-                chunks: list[RolloutBatch] = []
-                releases: list = []
-                while len(chunks) < need and not self.stop_event.is_set():
-                    if self.slot.pending and self.slot.free:
-                        self._handoff(wait=False)  # a version skipped while the lane was busy
-                    with tr.span("gradient", "wait"):
-                        item = self.source.get(timeout=_POLL_S)
-                    if item is None:
-                        self._check_senders()
-                        self._check_stall(stall)
-                        continue
-                    batch, _meta, on_done = item
-                    steps = env_steps(batch)
-                    self.ledger.add("env_steps_sampled", steps)
-                    lag = self.version - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
-                    if lag > self.sl.max_staleness:
-                        self.ledger.add("dropped_stale")
-                        tr.add("gradient", "stale_drop", time.perf_counter(), time.perf_counter())
-                        if on_done is not None:
-                            on_done()
-                        continue
-                    stall.progress()  # a chunk the learner can use
-                    steps_total += steps
-                    chunks.append(batch)
-                    releases.append(on_done)
-                if len(chunks) < need:
-                    self.ledger.add("discarded_after_run", len(chunks))  # stopped mid-collection
-                    break
-                if self.sl.mode == "async" and self.version + 1 >= self.iterations:
-                    # The last update has its data. What this rank's rollout lanes would
-                    # sample from now on nobody consumes; it would only slow this update.
-                    self.rollout_stop.set()
-                batch = concat(chunks)
-                self.ledger.add("chunks_consumed", len(chunks))
-                t0 = time.perf_counter()
-                with tr.span("gradient", "learn"), self._activations():
-                    learn = self.algo.update(batch, self.learn_gen, learner_version=self.version)
-                learn_s = time.perf_counter() - t0
-                self.version += 1
-                stats, steps_global = self._global_stats(batch, steps_total)
-                self._env_steps = steps_global
-                del batch, chunks
-                for release in releases:  # the rollout buffers go back to the transient pool
-                    if release is not None:
-                        release()
-                wall = time.perf_counter() - self._start_time
-                totals = self.total_counters()
-                m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
-                     "env_steps_per_s": (steps_global - self.ledger.carried_env_steps) / wall, "learn_s": learn_s,
-                     "dropped_stale": totals["dropped_stale"], "queue_depth": self.source.depth(),
-                     "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
-                     **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
-                        if k in ("sent", "rejected_invalid", "lost_dead_peer")},
-                     **stats, **learn, **self._memory_metrics()}
-                self.history.append(logger.log(self.version - 1, m))
-                if lead and self.on_update is not None:
-                    self.on_update(self.history[-1])
-                last = self.version == self.iterations or self.time_up
-                every = self.cfg.run.save_every
-                if lead and ((every and self.version % every == 0) or last):
-                    self._save_checkpoint()
-                if lead and (self.version % self.sl.broadcast_every == 0 or last):
-                    self._handoff(wait=self.sl.mode == "sync" or last)
-                if last:
-                    break
+            lane.run(self.stop_event)
         finally:
-            logger.close()
+            self._logger.close()
             self.learner_done.set()
+
+    def _retry_handoff(self) -> None:
+        if self.slot.pending and self.slot.free:
+            self._handoff(wait=False)  # a version skipped while the publish lane was busy
+
+    def _finish_update(self, update: Update) -> bool:
+        """After one learner step: the new version's metrics, checkpoint and snapshot.
+        True after the last update (or when the time is up)."""
+        self.version += 1
+        stats, steps_global = self._global_stats(update.batch, update.env_steps)
+        self._env_steps = steps_global
+        wall = time.perf_counter() - self._start_time
+        totals = self.total_counters()
+        m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
+             "env_steps_per_s": (steps_global - self.ledger.carried_env_steps) / wall, "learn_s": update.learn_s,
+             "dropped_stale": totals["dropped_stale"], "queue_depth": self.source.depth(),
+             "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
+             **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
+                if k in ("sent", "rejected_invalid", "lost_dead_peer")},
+             **stats, **update.learn, **self._memory_metrics()}
+        lead = self.rank == 0
+        self.history.append(self._logger.log(self.version - 1, m))
+        if lead and self.on_update is not None:
+            self.on_update(self.history[-1])
+        last = self.version == self.iterations or self.time_up
+        every = self.cfg.run.save_every
+        if lead and ((every and self.version % every == 0) or last):
+            self._save_checkpoint()
+        if lead and (self.version % self.sl.broadcast_every == 0 or last):
+            self._handoff(wait=self.sl.mode == "sync" or last)
+        return last
+
+    def _check_health(self, stall: StallTimer) -> None:
+        self._check_senders()
+        self._check_stall(stall)
 
     def _check_senders(self) -> None:
         """A rollout rank whose heartbeats stopped (crashed, killed, frozen) cannot take

@@ -1,0 +1,124 @@
+"""The learner (gradient) lane: collects chunks, drops those too stale to learn from,
+learns from each full set, and hands the result to the run (metrics, checkpoints,
+snapshots for the publish lane) through ``finish_update``.
+
+Dropped chunks are not progress: the stall timer only counts chunks the learner can use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from dvla.types import RolloutBatch
+from swimlane.chunks import concat
+from swimlane.health import StallTimer
+from swimlane.ledger import Ledger
+from swimlane.trace import Tracer
+
+
+def env_steps(batch: RolloutBatch) -> int:
+    """Env steps simulated for a chunk: decisions taken x envs (as the sync trainer counts)."""
+    return int(batch.valid.any(dim=1).sum()) * batch.num_envs
+
+
+@dataclass(kw_only=True)
+class LearnerConfig:
+    need: int  # chunks per update
+    max_staleness: int
+    iterations: int
+    stop_rollouts_before_last: bool  # async: nobody consumes what is sampled after the last update's data
+    poll_s: float = 0.05
+
+
+@dataclass
+class Update:
+    """What one learner step produced, for the run to log and act on."""
+
+    batch: RolloutBatch
+    learn: dict[str, float]
+    learn_s: float
+    env_steps: int  # consumed by this learner since the lane started
+
+
+class LearnerLane:
+    def __init__(self, *, source, algo, generator: torch.Generator, ledger: Ledger, tracer: Tracer,
+                 cfg: LearnerConfig, version: Callable[[], int], finish_update: Callable[[Update], bool],
+                 check_health: Callable[[StallTimer], None], stall: StallTimer,
+                 idle: Callable[[], None] = lambda: None, stop_rollouts: Callable[[], None] = lambda: None,
+                 activations: Callable[[], ContextManager] = contextlib.nullcontext):
+        """``version()``: the weights version being trained; ``finish_update(update)`` logs,
+        checkpoints and publishes, and returns True after the last update;
+        ``check_health(stall)`` raises when the run cannot go on (dead senders, a stall);
+        ``idle()`` runs between polls (a skipped snapshot hand-over, say)."""
+        self.source, self.algo, self.generator = source, algo, generator
+        self.ledger, self.tracer, self.cfg = ledger, tracer, cfg
+        self.version, self.finish_update = version, finish_update
+        self.check_health, self.stall, self.idle = check_health, stall, idle
+        self.stop_rollouts, self.activations = stop_rollouts, activations
+        self.consumed_steps = 0
+
+    def collect(self, stop: threading.Event) -> tuple[list[RolloutBatch], list[Any]] | None:
+        """``need`` chunks the learner can use (and their release callbacks), or None if
+        the run stopped first (what was collected is counted as discarded)."""
+        chunks: list[RolloutBatch] = []
+        releases: list[Any] = []
+        while len(chunks) < self.cfg.need and not stop.is_set():
+            self.idle()
+            with self.tracer.span("gradient", "wait"):
+                item = self.source.get(timeout=self.cfg.poll_s)
+            if item is None:
+                self.check_health(self.stall)
+                continue
+            batch, _meta, on_done = item
+            steps = env_steps(batch)
+            self.ledger.add("env_steps_sampled", steps)
+            lag = self.version() - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
+            if lag > self.cfg.max_staleness:
+                self.ledger.add("dropped_stale")
+                now = time.perf_counter()
+                self.tracer.add("gradient", "stale_drop", now, now)
+                if on_done is not None:
+                    on_done()
+                continue
+            self.stall.progress()  # a chunk the learner can use
+            self.consumed_steps += steps
+            chunks.append(batch)
+            releases.append(on_done)
+        if len(chunks) < self.cfg.need:
+            self.ledger.add("discarded_after_run", len(chunks))  # stopped mid-collection
+            return None
+        return chunks, releases
+
+    def step(self, stop: threading.Event) -> bool:
+        """Collect, learn once, finish the update; False when the lane should end."""
+        got = self.collect(stop)
+        if got is None:
+            return False
+        chunks, releases = got
+        if self.cfg.stop_rollouts_before_last and self.version() + 1 >= self.cfg.iterations:
+            self.stop_rollouts()  # the last update has its data
+        batch = concat(chunks)
+        self.ledger.add("chunks_consumed", len(chunks))
+        t0 = time.perf_counter()
+        with self.tracer.span("gradient", "learn"), self.activations():
+            learn = self.algo.update(batch, self.generator, learner_version=self.version())
+        update = Update(batch=batch, learn=learn, learn_s=time.perf_counter() - t0, env_steps=self.consumed_steps)
+        del chunks, batch
+        try:
+            last = self.finish_update(update)
+        finally:
+            del update
+            for release in releases:  # the rollout buffers go back to the transient pool
+                if release is not None:
+                    release()
+        return not last
+
+    def run(self, stop: threading.Event) -> None:
+        while self.version() < self.cfg.iterations and not stop.is_set() and self.step(stop):
+            pass
