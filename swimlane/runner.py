@@ -44,7 +44,6 @@ import os
 import queue
 import threading
 import time
-import traceback
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable
@@ -69,6 +68,7 @@ from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchi
                             new_control_group)
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
 from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource
+from swimlane.driver import LaneError, ThreadedDriver
 from swimlane.health import StallTimer, dead_senders
 from swimlane.lanes import (InferenceLane, LearnerConfig, LearnerLane, PublishLane, ReceiveLane, Request,
                             SamplingConfig, SamplingLane, SnapshotSlot, Update)
@@ -94,15 +94,6 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
     except (AttributeError, OSError) as exc:
         log.warning("swimlane.gradient_nice=%d not applied to the gradient lane: %r", nice, exc)
-
-
-class LaneError(RuntimeError):
-    """A lane raised; the message carries the lane's name and traceback."""
-
-    def __init__(self, lane: str, exc: BaseException, tb: str):
-        super().__init__(f"swimlane lane '{lane}' failed: {type(exc).__name__}: {exc}\n{tb}")
-        self.lane = lane
-        self.original = exc
 
 
 def _truncate_metrics(path: Path, version: int) -> None:
@@ -150,7 +141,7 @@ class Swimlane:
         self.rollout_stop = threading.Event()  # the learner is done: rollout lanes wind down
         self.lanes_left_running: list[str] = []  # lanes (by name) still blocked when run() returned
         self.learner_done = threading.Event()
-        self.errors: list[LaneError] = []
+        self.driver = ThreadedDriver(stop=self.stop_event, on_error=self.request_stop, poll_s=_POLL_S)
 
         self.memory = self.host_pool = None
         if cfg.memory.enabled:
@@ -359,18 +350,24 @@ class Swimlane:
             self.sink = RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{self.rank}"))
 
     # -- lane plumbing ---------------------------------------------------------------------
-    def _lane(self, name: str, fn) -> threading.Thread:
-        def body():
-            try:
-                fn()
-            except BaseException as exc:  # any failure ends the run with this lane's traceback
-                self.errors.append(LaneError(name, exc, traceback.format_exc()))
-                self.stop_event.set()
-                self.rollout_stop.set()
+    @property
+    def errors(self) -> list[LaneError]:
+        return self.driver.errors
 
-        t = threading.Thread(target=body, name=f"dvla-{name}", daemon=True)
-        t.start()
-        return t
+    def _lane(self, name: str, fn) -> threading.Thread:
+        """Start ``fn`` as lane ``name`` in a thread of its own (supervised by the driver)."""
+        return self.driver.start(name, fn)
+
+    def _lanes(self) -> dict[str, Callable[[], None]]:
+        """This rank's lanes, by its role: the one place that decides which lanes run."""
+        lanes: dict[str, Callable[[], None]] = {}
+        if self.is_learner:
+            lanes["gradient"] = self._gradient_lane
+        lanes["broadcast"] = self._broadcast_lane if self.rank == 0 else self._receive_lane
+        if self.is_rollout:
+            lanes["inference"] = self._inference_lane
+            lanes["sampling"] = self._sampling_lane
+        return lanes
 
     def request_stop(self) -> None:
         """Stop every lane soon (signal handlers call this); ``run`` then returns."""
@@ -564,40 +561,27 @@ class Swimlane:
             dump_yaml(cfg, self.out_dir / "config.yaml")
         self._start_time = time.perf_counter()
         self._start_unix = time.time()  # the same moment on the wall clock (the report aligns ranks by it)
-        lanes: dict[str, threading.Thread] = {}  # lane name -> its thread
-        if self.is_learner:
-            lanes["gradient"] = self._lane("gradient", self._gradient_lane)
-        lanes["broadcast"] = self._lane("broadcast", self._broadcast_lane if self.rank == 0 else self._receive_lane)
-        if self.is_rollout:
-            lanes["inference"] = self._lane("inference", self._inference_lane)
-            lanes["sampling"] = self._lane("sampling", self._sampling_lane)
-        threads = list(lanes.values())
+        driver = self.driver
+        driver.grace_s, driver.join_s = _STOP_GRACE_S, _JOIN_S
+        for name, fn in self._lanes().items():
+            driver.start(name, fn)
+        drained = False
+
+        def tick() -> None:  # a learner of several ranks drains what rollouts still send
+            nonlocal drained
+            if not drained and self.is_learner and self.learner_done.is_set() and self.world_size > 1:
+                self._drain()
+                drained = True
+
         try:
-            drained = False
-            stopped_at = None
-            while any(t.is_alive() for t in threads) and not self.errors:
-                if not drained and self.is_learner and self.learner_done.is_set() and self.world_size > 1:
-                    self._drain()
-                    drained = True
-                if self.stop_event.is_set():
-                    stopped_at = stopped_at or time.monotonic()
-                    if time.monotonic() - stopped_at > _STOP_GRACE_S:
-                        break
-                for t in threads:
-                    t.join(timeout=_POLL_S)
+            driver.supervise(tick)
         except KeyboardInterrupt:
             self.request_stop()
             raise
         finally:
             if self.errors:
                 self.request_stop()
-            deadline = time.monotonic() + _JOIN_S
-            for t in threads:
-                t.join(timeout=max(deadline - time.monotonic(), 0.0))
-            self.lanes_left_running = [name for name, t in lanes.items() if t.is_alive()]
-            if self.lanes_left_running:
-                log.warning("lane(s) %s still running after the stop (blocked in a collective whose peer is "
-                            "gone?); leaving them", ", ".join(self.lanes_left_running))
+            self.lanes_left_running = driver.join()
             if self.is_learner and not self.errors:
                 self._drain(wait=not drained and self.world_size > 1)
             self._close()
