@@ -1,17 +1,18 @@
 """Dual-pool memory manager: a sealed persistent pool for start-up tensors and a size-classed,
 reusing transient arena for per-step tensors. See :mod:`memory.pools` for the design."""
 
-from .budget import BudgetError, PoolBudgetError, device_total_memory, format_bytes, parse_budget
-from .config import MemoryConfig
-from .pools import (
-    MIN_BLOCK_BYTES,
-    Lease,
-    MemoryManager,
-    PersistentPool,
-    PoolStats,
-    TransientPool,
-    size_class,
+from .budget import (
+    BudgetError,
+    PoolBudgetError,
+    device_total_memory,
+    format_bytes,
+    parse_budget,
 )
+from .config import MemoryConfig
+from .manager import MemoryManager
+from .persistent import PersistentPool
+from .pools import MIN_BLOCK_BYTES, PoolStats, size_class
+from .transient import Lease, TransientPool
 
 __all__ = [
     "MIN_BLOCK_BYTES",

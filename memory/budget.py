@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-
 __all__ = ["BudgetError", "PoolBudgetError", "device_total_memory", "format_bytes", "parse_budget"]
 
 _UNITS = {
