@@ -15,9 +15,9 @@ Two layers:
   complete new checkpoint. Readers verify size and sha256 before trusting a checkpoint and
   ``load_latest`` falls back to the newest one that verifies.
 
-``optimizer_state`` / ``load_optimizer_state`` and ``rng_state`` / ``set_rng_state`` turn
-optimizer and random-number-generator state into (tensors, json-able metadata) pairs that
-fit this format, so resuming is bit-identical to never having stopped.
+``dvla.train_state`` turns optimizer and random-number-generator state into (tensors,
+json-able metadata) pairs that fit this format, so resuming is bit-identical to never
+having stopped; ``dvla.atomic_io`` holds the file-level helpers.
 
 One writer per checkpoint directory is assumed (e.g. rank 0): a save removes every stale
 ``.tmp-*`` entry it finds, including one another writer might still be filling.
@@ -25,25 +25,23 @@ One writer per checkpoint directory is assumed (e.g. rank 0): a save removes eve
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import hashlib
 import json
 import logging
 import os
-import random
 import re
 import secrets
 import shutil
-import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
+
+from dvla.atomic_io import exchange_paths, fsync_dir, save_safetensors, sha256_file, write_safetensors
 
 log = logging.getLogger("dvla.checkpoint")
 
@@ -53,7 +51,6 @@ MANIFEST_FILE = "manifest.json"
 TMP_PREFIX = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _RESERVED = ("format", "step", "created", "files")
-_HASH_CHUNK = 8 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -66,94 +63,6 @@ class Checkpoint:
     step: int
     manifest: dict
     tensors: dict[str, Tensor] = field(repr=False)
-
-
-# -- low-level file helpers -----------------------------------------------------------------
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a directory's entries (creations, renames) durable. No-op where unsupported."""
-    if os.name == "posix":  # directories cannot be opened on Windows
-        _fsync(path)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _cpu_tensors(state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Detached, contiguous CPU tensors that share no storage (safetensors refuses sharing)."""
-    out: dict[str, Tensor] = {}
-    seen: set[int] = set()
-    for name, t in state.items():
-        if not isinstance(name, str):
-            raise TypeError(f"tensor names must be str, got {name!r}")
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name!r} is a {type(t).__name__}, not a torch.Tensor")
-        t = t.detach().to("cpu").contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr and ptr in seen:
-            t = t.clone()
-        elif ptr:
-            seen.add(ptr)
-        out[name] = t
-    return out
-
-
-def _write_safetensors(state: dict[str, Tensor], path: Path, metadata: dict[str, str] | None) -> None:
-    save_file(_cpu_tensors(state), str(path), metadata=metadata)
-    _fsync(path)
-
-
-def save_safetensors(state: dict[str, Tensor], path: str | Path, metadata: dict[str, str]) -> None:
-    """Write ``state`` (moved to the CPU) to ``path``; a crash mid-write leaves the old file.
-
-    The data go to a uniquely named temp file next to ``path``, which is fsynced and then
-    renamed over ``path``; the directory is fsynced so the rename survives a power cut.
-    """
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    try:
-        _write_safetensors(state, tmp, metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two existing paths (Linux ``renameat2(RENAME_EXCHANGE)``).
-
-    Returns False where the platform or file system cannot do it.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"renameat2 exchange failed: {os.strerror(err)}", str(a), None, str(b))
 
 
 # -- checkpoint directory -------------------------------------------------------------------
@@ -226,8 +135,8 @@ class CheckpointManager:
         tmp.mkdir()
         try:
             tensor_path = tmp / TENSORS_FILE
-            _write_safetensors(tensors, tensor_path, {"format": str(FORMAT_VERSION), "step": str(step)})
-            data["files"] = {TENSORS_FILE: {"sha256": _sha256(tensor_path),
+            write_safetensors(tensors, tensor_path, {"format": str(FORMAT_VERSION), "step": str(step)})
+            data["files"] = {TENSORS_FILE: {"sha256": sha256_file(tensor_path),
                                             "bytes": tensor_path.stat().st_size}}
             manifest_path = tmp / MANIFEST_FILE
             with open(manifest_path, "w", encoding="utf-8") as f:
@@ -235,7 +144,7 @@ class CheckpointManager:
                 f.write("\n")
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync_dir(tmp)
+            fsync_dir(tmp)
             self._publish(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -248,11 +157,11 @@ class CheckpointManager:
         """Move the finished ``tmp`` to ``final``; replaces an existing ``final`` atomically."""
         if not final.exists():
             os.rename(tmp, final)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             return
-        if _exchange(tmp, final):
+        if exchange_paths(tmp, final):
             # ``final`` is now the new checkpoint and ``tmp`` holds the old one.
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             shutil.rmtree(tmp, ignore_errors=True)
             return
         # No atomic swap available: move the old one aside under a temp name first. A crash
@@ -264,7 +173,7 @@ class CheckpointManager:
         except BaseException:
             os.rename(aside, final)
             raise
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
         shutil.rmtree(aside, ignore_errors=True)
 
     def _remove_stale_tmp(self) -> None:
@@ -354,7 +263,7 @@ class CheckpointManager:
             what = "truncated" if size < info["bytes"] else "size mismatch"
             raise CheckpointError(
                 f"checkpoint {path}: {name} {what}: expected {info['bytes']} bytes, found {size}")
-        actual = _sha256(file)
+        actual = sha256_file(file)
         if actual != info["sha256"]:
             raise CheckpointError(
                 f"checkpoint {path}: {name} checksum mismatch: expected sha256 {info['sha256']}, "
@@ -420,235 +329,6 @@ class CheckpointManager:
 
 def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
-
-
-# -- optimizer state ------------------------------------------------------------------------
-
-# Switches that pick an implementation, not the maths: the running optimizer keeps its own.
-_IMPL_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
-
-
-def _check_meta(meta: Any, what: str) -> None:
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{what}: metadata is a {type(meta).__name__}, not a dict")
-    if meta.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{what}: unsupported format version {meta.get('format')!r} (this code reads {FORMAT_VERSION})")
-
-
-def _jsonable(value: Any, where: str) -> Any:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"{where} = {value!r} cannot be stored in a json manifest ({e})") from None
-    return value
-
-
-def optimizer_state(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Tensor], dict]:
-    """Split ``optimizer.state_dict()`` into tensors and a json-able dict.
-
-    Tensors: per-parameter state as ``optim/{param_index}/{key}`` (``step`` included) and
-    tensor-valued hyper-parameters as ``optim/group/{group_index}/{key}``. The dict holds the
-    param groups (hyper-parameters and parameter indices), non-tensor state values, and the
-    parameter shapes for checking on load. Tensors are references, not copies.
-    """
-    sd = optimizer.state_dict()
-    tensors: dict[str, Tensor] = {}
-    groups = []
-    for gi, group in enumerate(sd["param_groups"]):
-        g = {}
-        for key, value in group.items():
-            if isinstance(value, Tensor):
-                tensors[f"optim/group/{gi}/{key}"] = value
-            else:
-                g[key] = _jsonable(list(value) if isinstance(value, tuple) else value,
-                                   f"param_groups[{gi}][{key!r}]")
-        groups.append(g)
-    state: dict[str, dict] = {}
-    for idx, entries in sd["state"].items():
-        plain = {}
-        for key, value in entries.items():
-            if isinstance(value, Tensor):
-                tensors[f"optim/{idx}/{key}"] = value
-            else:
-                plain[key] = _jsonable(value, f"state[{idx}][{key!r}]")
-        state[str(idx)] = plain
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    meta = {
-        "format": FORMAT_VERSION,
-        "type": type(optimizer).__name__,
-        "param_groups": groups,
-        "state": state,
-        "param_shapes": [list(p.shape) for p in params],
-    }
-    return tensors, meta
-
-
-def _place_state(value: Tensor, param: Tensor, key: str, group: dict) -> Tensor:
-    """Where torch's own ``load_state_dict`` would put a state tensor."""
-    if key == "step":
-        if group.get("capturable") or group.get("fused"):
-            return value.to(dtype=torch.float32, device=param.device)
-        return value.clone()
-    if param.is_floating_point() and value.is_floating_point():
-        return value.to(dtype=param.dtype, device=param.device, copy=True)
-    return value.to(device=param.device, copy=True)
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, Tensor], meta: dict) -> None:
-    """Restore what ``optimizer_state`` produced, in place.
-
-    A state tensor that already exists with the same shape and dtype is overwritten with
-    ``copy_`` (so state living in pre-allocated memory stays there); anything else is set.
-    State keys the checkpoint does not have are removed, so the result matches the saved
-    optimizer exactly. Param-group hyper-parameters are restored; implementation switches
-    (foreach, fused, capturable, differentiable) keep the running optimizer's values.
-    """
-    _check_meta(meta, "optimizer state")
-    saved_groups = meta["param_groups"]
-    groups = optimizer.param_groups
-    if len(saved_groups) != len(groups):
-        raise CheckpointError(
-            f"optimizer state: checkpoint has {len(saved_groups)} param groups, optimizer has {len(groups)}")
-    params = [p for group in groups for p in group["params"]]
-    shapes = meta["param_shapes"]
-    if len(shapes) != len(params):
-        raise CheckpointError(
-            f"optimizer state: checkpoint has {len(shapes)} parameters, optimizer has {len(params)}")
-    for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
-        if len(saved["params"]) != len(group["params"]):
-            raise CheckpointError(
-                f"optimizer state: param group {gi} has {len(saved['params'])} parameters in the "
-                f"checkpoint, {len(group['params'])} in the optimizer")
-    for i, (shape, p) in enumerate(zip(shapes, params)):
-        if list(p.shape) != list(shape):
-            raise CheckpointError(
-                f"optimizer state: parameter {i} has shape {tuple(shape)} in the checkpoint, "
-                f"{tuple(p.shape)} in the optimizer")
-
-    # The checkpoint's parameter indices (state_dict ids), in optimizer order.
-    index_of = {idx: params_pos for params_pos, idx in
-                enumerate(i for g in saved_groups for i in g["params"])}
-    group_of = [group for group in groups for _ in group["params"]]
-    per_param: dict[int, dict[str, Any]] = {}
-    for name, t in tensors.items():
-        parts = name.split("/", 2)
-        if len(parts) != 3 or parts[0] != "optim" or parts[1] == "group":
-            continue
-        per_param.setdefault(int(parts[1]), {})[parts[2]] = t
-    for idx, plain in meta["state"].items():
-        per_param.setdefault(int(idx), {}).update(plain)
-    unknown = sorted(set(per_param) - set(index_of))
-    if unknown:
-        raise CheckpointError(f"optimizer state: state for unknown parameter indices {unknown}")
-
-    for idx, pos in index_of.items():
-        p = params[pos]
-        saved = per_param.get(idx, {})
-        if not saved:
-            optimizer.state.pop(p, None)
-            continue
-        state = optimizer.state[p]
-        for key in [k for k in state if k not in saved]:
-            del state[key]
-        for key, value in saved.items():
-            if not isinstance(value, Tensor):
-                state[key] = value
-                continue
-            current = state.get(key)
-            if isinstance(current, Tensor) and current.shape == value.shape and current.dtype == value.dtype:
-                with torch.no_grad():
-                    current.copy_(value)
-            else:
-                state[key] = _place_state(value, p, key, group_of[pos])
-
-    for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
-        for key, value in saved.items():
-            if key == "params" or key in _IMPL_KEYS:
-                continue
-            if key == "param_names" and "param_names" in group and list(group["param_names"]) != list(value):
-                raise CheckpointError(
-                    f"optimizer state: param group {gi} names differ: checkpoint {value}, "
-                    f"optimizer {group['param_names']}")
-            if isinstance(group.get(key), tuple) and isinstance(value, list):
-                value = tuple(value)
-            group[key] = value
-        prefix = f"optim/group/{gi}/"
-        for name, t in tensors.items():
-            if not name.startswith(prefix):
-                continue
-            key = name[len(prefix):]
-            current = group.get(key)
-            if isinstance(current, Tensor) and current.shape == t.shape and current.dtype == t.dtype:
-                with torch.no_grad():
-                    current.copy_(t)
-            else:
-                group[key] = t.clone()
-
-
-# -- random number generators ---------------------------------------------------------------
-
-
-def rng_state(generators: dict[str, torch.Generator] | None = None) -> tuple[dict[str, Tensor], dict]:
-    """Capture torch (CPU and every CUDA device), python ``random``, numpy's global RNG and
-    the named ``generators``: tensors ``rng/torch``, ``rng/cuda/{i}``, ``rng/numpy``,
-    ``rng/gen/{name}`` plus a json-able dict with the rest."""
-    tensors: dict[str, Tensor] = {"rng/torch": torch.get_rng_state()}
-    meta: dict[str, Any] = {"format": FORMAT_VERSION, "cuda_devices": 0}
-    if torch.cuda.is_available():
-        states = torch.cuda.get_rng_state_all()
-        meta["cuda_devices"] = len(states)
-        for i, s in enumerate(states):
-            tensors[f"rng/cuda/{i}"] = s
-    version, internal, gauss = random.getstate()
-    meta["python"] = [version, list(internal), gauss]
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover
-        np = None
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-        tensors["rng/numpy"] = torch.from_numpy(keys.astype(np.int64))
-        meta["numpy"] = {"kind": str(kind), "pos": int(pos), "has_gauss": int(has_gauss),
-                         "cached_gaussian": float(cached)}
-    meta["generators"] = {}
-    for name, gen in (generators or {}).items():
-        tensors[f"rng/gen/{name}"] = gen.get_state()
-        meta["generators"][name] = str(gen.device)
-    return tensors, meta
-
-
-def set_rng_state(tensors: dict[str, Tensor], meta: dict,
-                  generators: dict[str, torch.Generator] | None = None) -> None:
-    """Restore everything ``rng_state`` captured. Every generator passed must be in the
-    checkpoint; CUDA states for devices this process lacks are skipped with a warning."""
-    _check_meta(meta, "rng state")
-    missing = sorted(n for n in (generators or {}) if f"rng/gen/{n}" not in tensors)
-    if missing:
-        raise CheckpointError(f"rng state: no state for generator(s) {missing} in the checkpoint "
-                              f"(it has {sorted(meta.get('generators', {}))})")
-    if "rng/torch" not in tensors:
-        raise CheckpointError("rng state: tensor 'rng/torch' is missing")
-
-    torch.set_rng_state(tensors["rng/torch"].to("cpu", torch.uint8))
-    saved_cuda = int(meta.get("cuda_devices", 0))
-    if saved_cuda:
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if have < saved_cuda:
-            log.warning("rng state: checkpoint has %d CUDA RNG states, this process sees %d devices; "
-                        "restoring %d", saved_cuda, have, have)
-        for i in range(min(have, saved_cuda)):
-            torch.cuda.set_rng_state(tensors[f"rng/cuda/{i}"].to("cpu", torch.uint8), device=i)
-    version, internal, gauss = meta["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "numpy" in meta and "rng/numpy" in tensors:
-        import numpy as np
-
-        n = meta["numpy"]
-        keys = tensors["rng/numpy"].numpy().astype(np.uint32)
-        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    for name, gen in (generators or {}).items():
-        gen.set_state(tensors[f"rng/gen/{name}"].to("cpu", torch.uint8))
 
 
 def save_weights(module: torch.nn.Module, path: str | Path, version: int, **meta: str) -> None:

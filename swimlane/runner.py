@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 
 from dvla.algos import build_algorithm
-from dvla.checkpoint import (CheckpointManager, load_optimizer_state, optimizer_state, rng_state, save_weights,
-                             set_rng_state, weights_digest)
+from dvla.checkpoint import CheckpointManager, save_weights, weights_digest
+from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from dvla.config import ConfigError, JobConfig, dump_yaml
 from dvla.distributed import allreduce_mean_grads, mean_over_group, resolve_device
 from dvla.envs import env_spec, make_env

@@ -17,16 +17,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+import dvla.atomic_io as atomic_io
 import dvla.checkpoint as ckpt
-from dvla.checkpoint import (
-    CheckpointError,
-    CheckpointManager,
-    load_optimizer_state,
-    optimizer_state,
-    rng_state,
-    save_safetensors,
-    set_rng_state,
-)
+from dvla.atomic_io import save_safetensors
+from dvla.checkpoint import CheckpointError, CheckpointManager
+from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 
 
 def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -102,7 +97,7 @@ class Crash(RuntimeError):
 
 
 def _crash_in_writer(monkeypatch):
-    real = ckpt.save_file
+    real = atomic_io.save_file  # the checkpoint's tensors go through dvla.atomic_io
 
     def half_then_crash(tensors, filename, metadata=None):
         real(tensors, filename, metadata=metadata)
@@ -111,7 +106,7 @@ def _crash_in_writer(monkeypatch):
             f.write(data[: len(data) // 2])
         raise Crash("power cut while writing tensors")
 
-    monkeypatch.setattr(ckpt, "save_file", half_then_crash)
+    monkeypatch.setattr(atomic_io, "save_file", half_then_crash)
 
 
 def _crash_in_fsync(monkeypatch):
@@ -187,7 +182,7 @@ def test_leftover_tmp_dir_is_ignored_then_cleaned(tmp_path):
 @pytest.mark.parametrize("atomic_swap", [True, False])
 def test_same_step_is_replaced(tmp_path, monkeypatch, atomic_swap):
     if not atomic_swap:
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(ckpt, "exchange_paths", lambda a, b: False)
     mgr = CheckpointManager(tmp_path)
     mgr.save(5, sample_tensors(1), {"v": "old"})
     path = mgr.save(5, sample_tensors(2), {"v": "new"})
@@ -206,9 +201,9 @@ def test_crash_while_replacing_same_step_keeps_old(tmp_path, monkeypatch, atomic
         raise Crash("power cut during swap")
 
     if atomic_swap:
-        monkeypatch.setattr(ckpt, "_exchange", boom)
+        monkeypatch.setattr(ckpt, "exchange_paths", boom)
     else:
-        monkeypatch.setattr(ckpt, "_exchange", lambda a, b: False)
+        monkeypatch.setattr(ckpt, "exchange_paths", lambda a, b: False)
         real = os.rename
         monkeypatch.setattr(ckpt.os, "rename",
                             lambda s, d: boom() if ".tmp-step" in str(s) else real(s, d))
