@@ -37,7 +37,6 @@ An exception in any lane stops the run and is re-raised by :meth:`Swimlane.run` 
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import os
@@ -53,7 +52,6 @@ import torch.distributed as dist
 
 from dvla.algos import build_algorithm
 from dvla.checkpoint import CheckpointManager, save_weights, weights_digest
-from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 from dvla.config import ConfigError, JobConfig, dump_yaml
 from dvla.distributed import allreduce_mean_grads, mean_over_group, resolve_device
 from dvla.envs import env_spec, make_env
@@ -61,20 +59,38 @@ from dvla.metrics import MetricsLogger
 from dvla.policy import PolicySpec, build_policy
 from dvla.rollout import episode_stats
 from dvla.types import RolloutBatch
-from launch.placement import Placement, format_placement, place
-from launch.topology import Topology, describe, discover, from_spec, local_topology
-from memory import BudgetError, MemoryManager, TransientPool, parse_budget
-from planes.control import (SHUTDOWN, WeightBroadcaster, flat_buckets, hierarchical_stages, module_weights,
-                            new_control_group)
-from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
-from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource
+from planes.control import (
+    SHUTDOWN,
+    flat_buckets,
+    hierarchical_stages,
+    module_weights,
+    new_control_group,
+)
+from planes.data import DataPlaneConfig
+from swimlane.build import (
+    build_data_plane,
+    build_memory,
+    build_weights,
+    persistent_alloc,
+    place_ranks,
+)
+from swimlane.checkpointing import RunCheckpoints, truncate_metrics
 from swimlane.driver import LaneError, ThreadedDriver
 from swimlane.health import StallTimer, dead_senders
-from swimlane.lanes import (InferenceLane, LearnerConfig, LearnerLane, PublishLane, ReceiveLane, Request,
-                            SamplingConfig, SamplingLane, SnapshotSlot, Update)
+from swimlane.lanes import (
+    InferenceLane,
+    LearnerConfig,
+    LearnerLane,
+    PublishLane,
+    ReceiveLane,
+    Request,
+    SamplingConfig,
+    SamplingLane,
+    SnapshotSlot,
+    Update,
+)
 from swimlane.ledger import Ledger, chunk_accounting
 from swimlane.trace import Tracer, utilization
-from swimlane.weights import DoubleBufferedWeights
 
 log = logging.getLogger("dvla.swimlane")
 _POLL_S = 0.05
@@ -94,18 +110,6 @@ def lower_thread_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
     except (AttributeError, OSError) as exc:
         log.warning("swimlane.gradient_nice=%d not applied to the gradient lane: %r", nice, exc)
-
-
-def _truncate_metrics(path: Path, version: int) -> None:
-    """Drop the rows a crashed attempt logged after the checkpoint it resumes from."""
-    if not path.exists():
-        return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("iter", 0) < version]
-    if len(keep) != len(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
 
 
 class Swimlane:
@@ -128,7 +132,7 @@ class Swimlane:
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         self.device = resolve_device(cfg.run.device)
-        self.topology, self.placement = self._place()
+        self.topology, self.placement = place_ranks(sl, rank, world_size)
         pl = self.placement
         self.is_learner = rank in pl.learners
         self.is_rollout = rank in pl.rollout
@@ -143,19 +147,7 @@ class Swimlane:
         self.learner_done = threading.Event()
         self.driver = ThreadedDriver(stop=self.stop_event, on_error=self.request_stop, poll_s=_POLL_S)
 
-        self.memory = self.host_pool = None
-        if cfg.memory.enabled:
-            try:  # checked at config time on the CPU; a fraction resolves per device here
-                persistent = parse_budget(cfg.memory.persistent_budget, self.device, "memory.persistent_budget")
-                transient = parse_budget(cfg.memory.transient_budget, self.device, "memory.transient_budget")
-                host_transient = parse_budget(cfg.memory.transient_budget, "cpu", "memory.transient_budget")
-            except BudgetError as exc:
-                raise ConfigError(str(exc)) from None
-            self.memory = MemoryManager(self.device, persistent, transient)
-            # Rollout buffers live in host memory (they go to the data plane from there).
-            self.host_pool = self.memory.transient
-            if self.device.type != "cpu":
-                self.host_pool = TransientPool("cpu", host_transient, name="transient_host")
+        self.memory, self.host_pool = build_memory(cfg, self.device)
 
         # Same construction order as the synchronous trainer, so seeds give equal weights.
         seed = cfg.run.seed
@@ -187,7 +179,7 @@ class Swimlane:
             if sl.learner_ranks > 1:
                 sync = partial(allreduce_mean_grads, group=self.learner_group)
             if self.memory is not None:  # the learner's weights live in persistent buckets
-                flat_buckets(self.policy, alloc=self._persistent_alloc, tag="policy")
+                flat_buckets(self.policy, alloc=persistent_alloc(self.memory), tag="policy")
             self.algo = build_algorithm(cfg.algo, self.policy, sync)
             if self.memory is not None:
                 self.memory.persistent.adopt_optimizer(self.algo.optimizer)
@@ -201,16 +193,22 @@ class Swimlane:
         self.resumed_from: int | None = None
         self.time_up = False  # run.time_limit_s reached
         self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
-        self.ckpt = None
+        self.ckpt = self.checkpoints = None
         if self.is_learner:
             self.ckpt = CheckpointManager(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
+            generators = {"learn": self.learn_gen, **({"sample": self.sample_gen} if rank == 0 else {})}
+            self.checkpoints = RunCheckpoints(self.ckpt, self.policy, self.algo, generators)
             if cfg.run.resume or self.restarts > 0:
                 self._resume()
 
-        self._setup_weights()
+        buffers = build_weights(self.policy, rank, world_size, self.control_group, self.stages,
+                                persistent_alloc(self.memory))
+        self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
+                                                                 buffers.snap_flats, buffers.bc)
         if self.memory is not None:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
-        self._setup_data_plane(data_plane or cfg.data_plane)
+        self.source, self.sink, self.expected_senders = build_data_plane(
+            sl, data_plane or cfg.data_plane, rank, world_size, self.placement)
 
         # Lane state.
         self._requests: queue.Queue[Request] = queue.Queue()
@@ -221,26 +219,11 @@ class Swimlane:
         self._start_unix = time.time()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def _generators(self) -> dict[str, torch.Generator]:
-        gens = {"learn": self.learn_gen}
-        if self.rank == 0:
-            gens["sample"] = self.sample_gen
-        return gens
-
     def _save_checkpoint(self) -> None:
-        """Weights, optimizer state, RNG states, counters and config, written atomically
-        (see :mod:`dvla.checkpoint`); rank 0 only, from the gradient lane."""
-        tensors = {f"policy/{k}": v for k, v in self.policy.state_dict().items()}
-        ref = getattr(self.algo, "reference", None)
-        if ref is not None:
-            tensors.update({f"reference/{k}": v for k, v in ref.state_dict().items()})
-        opt_t, opt_meta = optimizer_state(self.algo.optimizer)
-        rng_t, rng_meta = rng_state(self._generators())
-        manifest = {"version": self.version, "env_steps": self._env_steps, "counters": self.total_counters(),
-                    "restarts": self.restarts, "optimizer": opt_meta, "rng": rng_meta,
-                    "config": self.cfg.to_dict()}
+        """Rank 0, from the gradient lane: the run's state at this version, atomically."""
         with self.tracer.span("gradient", "checkpoint"):
-            self.ckpt.save(self.version, {**tensors, **opt_t, **rng_t}, manifest)
+            self.checkpoints.save(self.version, {"env_steps": self._env_steps, "counters": self.total_counters(),
+                                                 "restarts": self.restarts, "config": self.cfg.to_dict()})
 
     @property
     def counters(self) -> dict[str, int]:
@@ -252,102 +235,15 @@ class Swimlane:
         return self.ledger.totals()
 
     def _resume(self) -> None:
-        ck = self.ckpt.load_latest()
-        if ck is None:
-            if self.restarts == 0:
-                raise ConfigError(f"run.resume: no checkpoint in {self.ckpt.directory}")
-            log.warning("restart %d: no checkpoint yet, starting from the beginning", self.restarts)
+        got = self.checkpoints.resume(self.restarts)
+        if got is None:
             return
-        m, t = ck.manifest, ck.tensors
-        self.policy.load_state_dict({k[7:]: v for k, v in t.items() if k.startswith("policy/")})
-        ref = getattr(self.algo, "reference", None)
-        if ref is not None:
-            ref.load_state_dict({k[10:]: v for k, v in t.items() if k.startswith("reference/")})
-        load_optimizer_state(self.algo.optimizer, t, m["optimizer"])
-        set_rng_state(t, m["rng"], self._generators())
-        self.version = self.resumed_from = int(m["version"])
-        self.ledger.carry(m["counters"], m["env_steps"])
+        self.version = self.resumed_from = got.version
+        self.ledger.carry(got.counters, got.env_steps)
         if self.rank == 0:
-            (log.warning if self.restarts else log.info)("resumed from %s (version %d, restart %d)", ck.path,
+            (log.warning if self.restarts else log.info)("resumed from %s (version %d, restart %d)", got.path,
                                                          self.version, self.restarts)
-            _truncate_metrics(self.out_dir / "metrics.jsonl", self.version)
-
-    # -- set-up ----------------------------------------------------------------------------
-    def _place(self) -> tuple[Topology, Placement]:
-        """Hosts of all ranks (given or discovered), then roles, routes and broadcast tree."""
-        sl, world = self.sl, self.world_size
-        if sl.topology:
-            try:
-                topo = from_spec(sl.topology)
-            except ValueError as exc:
-                raise ConfigError(f"swimlane.topology: {exc}") from None
-            if topo.world_size != world:
-                raise ConfigError(f"swimlane.topology: {sl.topology!r} describes {topo.world_size} ranks, "
-                                  f"the world has {world}")
-        elif world == 1:
-            topo = local_topology()
-        else:
-            topo = discover(dist.distributed_c10d._get_default_store(), self.rank, world,
-                            local_rank=int(os.environ.get("LOCAL_RANK", 0)))
-        try:
-            placement = place(topo, sl.learner_ranks, sl.colocate)
-        except ValueError as exc:
-            raise ConfigError(f"swimlane.learner_ranks: {exc}") from None
-        if placement.source != 0:
-            raise ConfigError("swimlane: rank 0 must be the first learner (placement chose "
-                              f"{placement.source})")
-        if world > 1 and self.rank == 0:
-            log.info("topology: %s", describe(topo))
-            log.info("placement:\n%s", format_placement(placement, topo))
-        return topo, placement
-
-    def _persistent_alloc(self, numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> torch.Tensor:
-        return self.memory.persistent.empty((numel,), dtype, tag=tag)
-
-    def _setup_weights(self) -> None:
-        """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
-        all laid out in flat buckets (from the persistent pool when memory is managed)."""
-        self.bc = None
-        self.snapshot = None
-        self.weights = None
-        alloc = self._persistent_alloc if self.memory is not None else None
-        replicas = [copy.deepcopy(self.policy).requires_grad_(False) for _ in range(2)]
-        if self.world_size == 1:
-            self.snapshot = copy.deepcopy(self.policy).requires_grad_(False)
-            self.snap_flats = flat_buckets(self.snapshot, alloc=alloc, tag="snapshot")
-            flats = [flat_buckets(r, alloc=alloc, tag=f"replica{i}") for i, r in enumerate(replicas)]
-            self.weights = DoubleBufferedWeights(replicas, flats)
-            return
-        if self.rank == 0:
-            self.snapshot = copy.deepcopy(self.policy).requires_grad_(False)
-            self.bc = WeightBroadcaster(self.snapshot, src=0, group=self.control_group, stages=self.stages,
-                                        alloc=alloc)
-            self.snap_flats = [b.flat for b in self.bc.buckets]
-            flats = [self.bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
-        else:
-            self.bc = WeightBroadcaster(replicas[0], src=0, group=self.control_group, stages=self.stages,
-                                        alloc=alloc)
-            flats = [[b.flat for b in self.bc.buckets], self.bc.bind_replica(replicas[1], tag="replica1")]
-        self.weights = DoubleBufferedWeights(replicas, flats)
-
-    def _setup_data_plane(self, dp: DataPlaneConfig) -> None:
-        """Local queue in one process; otherwise every learner rank binds a receiver and
-        each rollout rank sends to the learner (and over the transport) its placement says."""
-        self.source = self.sink = None
-        self.expected_senders: list[str] = []
-        if self.world_size == 1:
-            self.source = self.sink = LocalChunks(self.sl.queue_size)
-            return
-        store = dist.distributed_c10d._get_default_store()
-        pl = self.placement
-        if self.is_learner:
-            dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": self.sl.queue_size})
-            self.source = RemoteChunkSource(TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{self.rank}"))
-            self.expected_senders = [f"rank{r}" for r in pl.senders_of(self.rank)]
-        if self.is_rollout:
-            endpoints = lookup_endpoints(store, key=f"dvla/data/{pl.routes[self.rank]}")
-            dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": pl.transports[self.rank]})
-            self.sink = RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{self.rank}"))
+            truncate_metrics(self.out_dir / "metrics.jsonl", self.version)
 
     # -- lane plumbing ---------------------------------------------------------------------
     @property

@@ -1,0 +1,129 @@
+"""What a rank builds before its lanes start: its place in the cluster, its memory pools,
+its weight buffers (double-buffered replicas, snapshot, broadcaster) and its ends of the
+data plane. Functions of the config and the rank; the runner calls them in order."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from dvla.config import ConfigError, JobConfig, SwimlaneConfig
+from launch.placement import Placement, format_placement, place
+from launch.topology import Topology, describe, discover, from_spec, local_topology
+from memory import BudgetError, MemoryManager, TransientPool, parse_budget
+from planes.control import WeightBroadcaster, flat_buckets
+from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
+from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource
+from swimlane.weights import DoubleBufferedWeights
+
+log = logging.getLogger("dvla.swimlane")
+
+
+def place_ranks(sl: SwimlaneConfig, rank: int, world: int) -> tuple[Topology, Placement]:
+    """Hosts of all ranks (given or discovered), then roles, routes and broadcast tree."""
+    if sl.topology:
+        try:
+            topo = from_spec(sl.topology)
+        except ValueError as exc:
+            raise ConfigError(f"swimlane.topology: {exc}") from None
+        if topo.world_size != world:
+            raise ConfigError(f"swimlane.topology: {sl.topology!r} describes {topo.world_size} ranks, "
+                              f"the world has {world}")
+    elif world == 1:
+        topo = local_topology()
+    else:
+        topo = discover(dist.distributed_c10d._get_default_store(), rank, world,
+                        local_rank=int(os.environ.get("LOCAL_RANK", 0)))
+    try:
+        placement = place(topo, sl.learner_ranks, sl.colocate)
+    except ValueError as exc:
+        raise ConfigError(f"swimlane.learner_ranks: {exc}") from None
+    if placement.source != 0:
+        raise ConfigError(f"swimlane: rank 0 must be the first learner (placement chose {placement.source})")
+    if world > 1 and rank == 0:
+        log.info("topology: %s", describe(topo))
+        log.info("placement:\n%s", format_placement(placement, topo))
+    return topo, placement
+
+
+def build_memory(cfg: JobConfig, device: torch.device) -> tuple[MemoryManager | None, TransientPool | None]:
+    """The two pools (or none with ``memory.enabled=false``) and the pool rollout buffers
+    come from: host memory, since they go to the data plane from there."""
+    if not cfg.memory.enabled:
+        return None, None
+    try:  # checked at config time on the CPU; a fraction resolves per device here
+        persistent = parse_budget(cfg.memory.persistent_budget, device, "memory.persistent_budget")
+        transient = parse_budget(cfg.memory.transient_budget, device, "memory.transient_budget")
+        host_transient = parse_budget(cfg.memory.transient_budget, "cpu", "memory.transient_budget")
+    except BudgetError as exc:
+        raise ConfigError(str(exc)) from None
+    memory = MemoryManager(device, persistent, transient)
+    host_pool = memory.transient
+    if device.type != "cpu":
+        host_pool = TransientPool("cpu", host_transient, name="transient_host")
+    return memory, host_pool
+
+
+def persistent_alloc(memory: MemoryManager | None) -> Callable[..., torch.Tensor] | None:
+    """An allocator for flat weight buckets from the persistent pool (None: plain tensors)."""
+    if memory is None:
+        return None
+
+    def alloc(numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> torch.Tensor:
+        return memory.persistent.empty((numel,), dtype, tag=tag)
+
+    return alloc
+
+
+@dataclass
+class WeightBuffers:
+    weights: DoubleBufferedWeights  # the inference lane's two replicas
+    snapshot: Any  # rank 0: the copy the publish lane sends from (None elsewhere)
+    snap_flats: list[torch.Tensor] | None
+    bc: WeightBroadcaster | None  # the control plane (None in one process)
+
+
+def build_weights(policy, rank: int, world: int, control_group, stages, alloc) -> WeightBuffers:
+    """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
+    all laid out in flat buckets (from the persistent pool when memory is managed)."""
+    replicas = [copy.deepcopy(policy).requires_grad_(False) for _ in range(2)]
+    if world == 1:
+        snapshot = copy.deepcopy(policy).requires_grad_(False)
+        snap_flats = flat_buckets(snapshot, alloc=alloc, tag="snapshot")
+        flats = [flat_buckets(r, alloc=alloc, tag=f"replica{i}") for i, r in enumerate(replicas)]
+        return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, snap_flats, None)
+    if rank == 0:
+        snapshot = copy.deepcopy(policy).requires_grad_(False)
+        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc)
+        flats = [bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
+        return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, [b.flat for b in bc.buckets], bc)
+    bc = WeightBroadcaster(replicas[0], src=0, group=control_group, stages=stages, alloc=alloc)
+    flats = [[b.flat for b in bc.buckets], bc.bind_replica(replicas[1], tag="replica1")]
+    return WeightBuffers(DoubleBufferedWeights(replicas, flats), None, None, bc)
+
+
+def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: int, placement: Placement):
+    """``(source, sink, expected_senders)``: a local queue in one process; otherwise every
+    learner rank binds a receiver and each rollout rank sends to the learner (and over the
+    transport) its placement says."""
+    if world == 1:
+        chunks = LocalChunks(sl.queue_size)
+        return chunks, chunks, []
+    store = dist.distributed_c10d._get_default_store()
+    source = sink = None
+    expected: list[str] = []
+    if rank in placement.learners:
+        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": sl.queue_size})
+        source = RemoteChunkSource(TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{rank}"))
+        expected = [f"rank{r}" for r in placement.senders_of(rank)]
+    if rank in placement.rollout:
+        endpoints = lookup_endpoints(store, key=f"dvla/data/{placement.routes[rank]}")
+        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": placement.transports[rank]})
+        sink = RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}"))
+    return source, sink, expected

@@ -1,0 +1,77 @@
+"""A run's checkpoints: what rank 0 saves (weights, the KL reference, optimizer and RNG
+state, counters, config) and what every learner restores on ``run.resume`` or after
+torchrun restarted its group (see :mod:`dvla.checkpoint` for the files)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dvla.checkpoint import CheckpointManager
+from dvla.config import ConfigError
+from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
+
+log = logging.getLogger("dvla.swimlane")
+
+
+@dataclass
+class Resumed:
+    version: int
+    env_steps: int
+    counters: dict[str, int]
+    path: Path
+
+
+class RunCheckpoints:
+    def __init__(self, manager: CheckpointManager, policy: torch.nn.Module, algo,
+                 generators: dict[str, torch.Generator]):
+        self.manager, self.policy, self.algo, self.generators = manager, policy, algo, generators
+
+    def save(self, version: int, manifest: dict[str, Any]) -> None:
+        """Write version ``version``; ``manifest`` adds the run's own entries (counters,
+        env steps, restarts, config)."""
+        tensors = {f"policy/{k}": v for k, v in self.policy.state_dict().items()}
+        ref = getattr(self.algo, "reference", None)
+        if ref is not None:
+            tensors.update({f"reference/{k}": v for k, v in ref.state_dict().items()})
+        opt_t, opt_meta = optimizer_state(self.algo.optimizer)
+        rng_t, rng_meta = rng_state(self.generators)
+        self.manager.save(version, {**tensors, **opt_t, **rng_t},
+                          {"version": version, **manifest, "optimizer": opt_meta, "rng": rng_meta})
+
+    def resume(self, restarts: int) -> Resumed | None:
+        """Load the newest valid checkpoint into the policy, reference, optimizer and
+        generators. None when there is none on a restart (start from the beginning);
+        a requested resume without one is a ConfigError."""
+        ck = self.manager.load_latest()
+        if ck is None:
+            if restarts == 0:
+                raise ConfigError(f"run.resume: no checkpoint in {self.manager.directory}")
+            log.warning("restart %d: no checkpoint yet, starting from the beginning", restarts)
+            return None
+        m, t = ck.manifest, ck.tensors
+        self.policy.load_state_dict({k[7:]: v for k, v in t.items() if k.startswith("policy/")})
+        ref = getattr(self.algo, "reference", None)
+        if ref is not None:
+            ref.load_state_dict({k[10:]: v for k, v in t.items() if k.startswith("reference/")})
+        load_optimizer_state(self.algo.optimizer, t, m["optimizer"])
+        set_rng_state(t, m["rng"], self.generators)
+        return Resumed(int(m["version"]), int(m["env_steps"]), m["counters"], ck.path)
+
+
+def truncate_metrics(path: Path, version: int) -> None:
+    """Drop the rows a crashed attempt logged after the checkpoint it resumes from."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("iter", 0) < version]
+    if len(keep) != len(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
