@@ -233,6 +233,9 @@ class SwimlaneConfig:
     then on as few other hosts as possible (:func:`launch.placement.place`)."""
     colocate: bool = True
     """Learner ranks also run rollout lanes. With false they only learn and publish."""
+    driver: Literal["threads", "serial"] = "threads"
+    """``threads``: a thread per lane. ``serial`` (sync mode, one process): every lane in
+    one thread, round-robin over their non-blocking steps; the deterministic reference."""
     max_staleness: int = 1
     """Drop chunks whose oldest step was chosen by weights more than this many versions
     behind the learner's (0: on-policy only)."""
@@ -277,6 +280,11 @@ class SwimlaneConfig:
             errs.append(("max_staleness", f"must be >= 0, got {self.max_staleness}"))
         if not 0 <= self.gradient_nice <= 19:
             errs.append(("gradient_nice", f"must be in [0, 19], got {self.gradient_nice}"))
+        if self.driver == "serial" and self.mode != "sync":
+            errs.append(("driver", "serial needs swimlane.mode=sync (async lanes overlap; one thread cannot)"))
+        if self.driver == "serial" and self.env_groups > self.queue_size:
+            errs.append(("driver", f"serial needs swimlane.env_groups ({self.env_groups}) <= swimlane.queue_size "
+                                   f"({self.queue_size}): a round's chunks must fit before the learner runs"))
         if self.mode == "sync" and self.broadcast_every != 1:
             errs.append(("broadcast_every", f"must be 1 in sync mode, got {self.broadcast_every}"))
         elif self.max_staleness < self.broadcast_every - 1:

@@ -73,3 +73,26 @@ class ThreadedDriver:
             log.warning("lane(s) %s still running after the stop (blocked in a collective whose peer is "
                         "gone?); leaving them", ", ".join(left))
         return left
+
+
+class SerialDriver:
+    """Every lane in the calling thread: round-robin over the lanes' non-blocking
+    ``poll()`` until ``done()``. Deterministic by construction, no threads to reason
+    about: the reference the threaded driver's sync mode must match bit for bit. A full
+    round in which no lane can do anything is a deadlock, reported, not waited on."""
+
+    def __init__(self, polls: dict[str, Callable[[], bool]]):
+        self.polls = polls
+
+    def run(self, done: Callable[[], bool], stop: threading.Event) -> None:
+        while not done() and not stop.is_set():
+            progressed = False
+            for name, poll in self.polls.items():
+                try:
+                    progressed |= poll()
+                except BaseException as exc:
+                    raise LaneError(name, exc, traceback.format_exc()) from exc
+                if done():
+                    return
+            if not progressed:
+                raise RuntimeError(f"serial driver: no lane can go on (lanes: {', '.join(self.polls)})")

@@ -75,7 +75,7 @@ from swimlane.build import (
     place_ranks,
 )
 from swimlane.checkpointing import RunCheckpoints, truncate_metrics
-from swimlane.driver import LaneError, ThreadedDriver
+from swimlane.driver import LaneError, SerialDriver, ThreadedDriver
 from swimlane.health import StallTimer, dead_senders
 from swimlane.lanes import (
     InferenceLane,
@@ -126,6 +126,9 @@ class Swimlane:
         if not sl.colocate and sl.learner_ranks == world_size:
             raise ConfigError("swimlane.colocate: false leaves no rank to run rollouts; add processes or "
                               "lower swimlane.learner_ranks")
+        if sl.driver == "serial" and world_size > 1:
+            raise ConfigError(f"swimlane.driver: serial runs one process, the world has {world_size}; "
+                              f"use swimlane.driver=threads")
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.on_update = on_update
         self.sl = sl
@@ -275,7 +278,10 @@ class Swimlane:
 
     # -- sampling and inference lanes ---------------------------------------------------
     def _sampling_lane(self) -> None:
-        SamplingLane(
+        self._make_sampling().run()
+
+    def _make_sampling(self) -> SamplingLane:
+        return SamplingLane(
             envs=self.envs, prepare=self.policy.prepare, requests=self._requests, replies=self._replies,
             sink=self.sink, weights=self.weights, tracer=self.tracer, ledger=self.ledger,
             stop=self.rollout_stop, halt=self.stop_event,
@@ -288,13 +294,15 @@ class Swimlane:
                 max_staleness=self.sl.max_staleness, max_env_failures=self.sl.max_env_failures,
                 rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
                 rollout_ranks=len(self.rollout_ranks), throttle_s=_THROTTLE_S, poll_s=_POLL_S),
-        ).run()
+        )
 
     def _inference_lane(self) -> None:
-        InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
-                      generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
-                      pool=self.memory.transient if self.memory is not None else None,
-                      poll_s=_POLL_S).run(self._rollout_stopping)
+        self._make_inference().run(self._rollout_stopping)
+
+    def _make_inference(self) -> InferenceLane:
+        return InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
+                             generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
+                             pool=self.memory.transient if self.memory is not None else None, poll_s=_POLL_S)
 
     # -- gradient lane ---------------------------------------------------------------------
     def _chunks_per_update(self) -> int:
@@ -306,11 +314,20 @@ class Swimlane:
     def _gradient_lane(self) -> None:
         if self.sl.gradient_nice:
             lower_thread_priority(self.sl.gradient_nice)
-        lead = self.rank == 0
-        self._logger = MetricsLogger(self.out_dir, self.iterations, enabled=lead, progress=self.cfg.run.progress,
-                                     initial=self.version, tensorboard=self.cfg.run.tensorboard)
+        lane = self._make_learner()
+        try:
+            lane.run(self.stop_event)
+        finally:
+            self._logger.close()
+            self.learner_done.set()
+
+    def _make_learner(self) -> LearnerLane:
+        """The learner lane, and the metrics logger its updates write to."""
+        self._logger = MetricsLogger(self.out_dir, self.iterations, enabled=self.rank == 0,
+                                     progress=self.cfg.run.progress, initial=self.version,
+                                     tensorboard=self.cfg.run.tensorboard)
         self._env_steps = self.ledger.carried_env_steps
-        lane = LearnerLane(
+        return LearnerLane(
             source=self.source, algo=self.algo, generator=self.learn_gen, ledger=self.ledger, tracer=self.tracer,
             cfg=LearnerConfig(need=self._chunks_per_update(), max_staleness=self.sl.max_staleness,
                               iterations=self.iterations, stop_rollouts_before_last=self.sl.mode == "async",
@@ -318,11 +335,6 @@ class Swimlane:
             version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
             stop_rollouts=self.rollout_stop.set, activations=self._activations)
-        try:
-            lane.run(self.stop_event)
-        finally:
-            self._logger.close()
-            self.learner_done.set()
 
     def _retry_handoff(self) -> None:
         if self.slot.pending and self.slot.free:
@@ -435,12 +447,31 @@ class Swimlane:
     def _broadcast_lane(self) -> None:
         """Rank 0: publish the starting weights (version 0, or the resumed version), then every
         snapshot handed over."""
-        PublishLane(slot=self.slot, publish=lambda v: self._publish(v), snapshot=self._take_snapshot,
-                    last_version=self.iterations, learner_done=self.learner_done,
-                    poll_s=_POLL_S).run(self.version, self.stop_event)
+        self._make_publisher().run(self.version, self.stop_event)
         if self.bc is not None:
             self.bc.shutdown()
         self.rollout_stop.set()
+
+    def _make_publisher(self) -> PublishLane:
+        return PublishLane(slot=self.slot, publish=lambda v: self._publish(v), snapshot=self._take_snapshot,
+                           last_version=self.iterations, learner_done=self.learner_done, poll_s=_POLL_S)
+
+    def _run_serial(self) -> None:
+        """``swimlane.driver=serial``: all four lanes in this thread (sync mode, one process)."""
+        sampling, inference, publisher = self._make_sampling(), self._make_inference(), self._make_publisher()
+        learner = self._make_learner()
+        try:
+            publisher.begin(self.version)
+            sampling.begin()
+            SerialDriver({"broadcast": publisher.poll, "inference": inference.poll, "sampling": sampling.poll,
+                          "gradient": learner.poll}).run(
+                lambda: learner.done or self.version >= self.iterations, self.stop_event)
+        except LaneError as exc:
+            self.driver.errors.append(exc)
+        finally:
+            self._logger.close()
+            self.learner_done.set()
+            self.rollout_stop.set()
 
     def _receive_lane(self) -> None:
         """Other ranks: receive every published version into the standby replica."""
@@ -457,6 +488,15 @@ class Swimlane:
             dump_yaml(cfg, self.out_dir / "config.yaml")
         self._start_time = time.perf_counter()
         self._start_unix = time.time()  # the same moment on the wall clock (the report aligns ranks by it)
+        if self.sl.driver == "serial":
+            try:
+                self._run_serial()
+            finally:
+                self._close()
+            if self.errors:
+                self._finish(error=str(self.errors[0]).splitlines()[0])
+                raise self.errors[0]
+            return self._finish()
         driver = self.driver
         driver.grace_s, driver.join_s = _STOP_GRACE_S, _JOIN_S
         for name, fn in self._lanes().items():

@@ -175,3 +175,28 @@ def test_snapshot_slot_hands_over_the_newest_version_and_skips_when_busy():
     stop.set()
     assert not slot.offer(4, lambda: copies.append(4), wait=True, stop=stop, poll_s=0.01)
     assert not slot.pending and copies == [1, 3]
+
+
+def test_the_serial_driver_reports_a_deadlock_and_a_failing_lane():
+    import threading
+
+    from swimlane.driver import LaneError, SerialDriver
+
+    seen = []
+
+    def once():  # does something the first time only
+        seen.append(1)
+        return len(seen) == 1
+
+    with pytest.raises(RuntimeError, match="serial driver: no lane can go on \\(lanes: a, b\\)"):
+        SerialDriver({"a": once, "b": lambda: False}).run(lambda: False, threading.Event())
+    assert len(seen) == 2
+
+    def boom():
+        raise ValueError("bad chunk")
+
+    with pytest.raises(LaneError, match="lane 'b' failed: ValueError: bad chunk"):
+        SerialDriver({"a": lambda: True, "b": boom}).run(lambda: False, threading.Event())
+    count = []
+    SerialDriver({"a": lambda: count.append(1) or True}).run(lambda: len(count) >= 5, threading.Event())
+    assert len(count) == 5

@@ -26,25 +26,67 @@ def cfg_for(tmp_path, *overrides, name="run"):
     return apply_overrides(debug(), [f"run.out_dir={tmp_path / name}", *overrides])
 
 
+# SyncTrainer's (return_mean, loss) per update on this config, measured at a8d96ab, the
+# commit before the lanes became classes: the reference must not drift either.
+PINNED = {
+    "grpo": [(0.0, 0.0), (0.375, 0.17508791014552116), (0.0, 0.0), (0.0, 0.0)],
+    "ppo": [(0.375, 0.027905676513910294), (0.0, 2.1167099475860596e-05), (0.125, 0.005153369158506393),
+            (0.0, -6.70403242111206e-05)],
+}
+
+
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
-def test_sync_mode_equals_the_synchronous_trainer(tmp_path, algo):
-    """Same seed, max staleness 0, sync mode: bit-identical learning (weights and metrics)."""
+def test_serial_driver_equals_threaded_sync_mode_and_the_synchronous_trainer(tmp_path, algo):
+    """Same seed, max staleness 0, sync mode: the serial driver (every lane in one thread),
+    the threaded driver and SyncTrainer learn bit-identically (weights and metrics), and
+    SyncTrainer still gives the numbers pinned before the lanes were restructured."""
     ov = ["swimlane.mode=sync", "swimlane.env_groups=1", "swimlane.max_staleness=0", "run.iterations=4",
           f"algo.name={algo}"]
     if algo == "ppo":
         ov.append("policy.options.value_head=true")
     ref = SyncTrainer(cfg_for(tmp_path, *ov, name="sync"))
     ref.run()
-    lanes = Swimlane(cfg_for(tmp_path, *ov, name="lanes"))
-    summary = lanes.run()
-    assert summary["version"] == 4 and summary["dropped_stale"] == 0
+    runs = {}
+    for driver in ("serial", "threads"):
+        lanes = Swimlane(cfg_for(tmp_path, *ov, f"swimlane.driver={driver}", name=driver))
+        summary = lanes.run()
+        assert summary["version"] == 4 and summary["dropped_stale"] == 0
+        runs[driver] = lanes
     a = read_metrics(tmp_path / "sync" / "metrics.jsonl")
-    b = read_metrics(tmp_path / "lanes" / "metrics.jsonl")
-    for ra, rb in zip(a, b, strict=True):
-        for key in ("version", "success_rate", "return_mean", "loss", "approx_kl", "env_steps"):
-            assert ra[key] == rb[key], (key, ra, rb)
-    for (k, p), q in zip(ref.policy.state_dict().items(), lanes.policy.state_dict().values()):
-        assert torch.equal(p, q), k
+    for got, want in zip([(r["return_mean"], r["loss"]) for r in a], PINNED[algo], strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
+    for driver, lanes in runs.items():
+        b = read_metrics(tmp_path / driver / "metrics.jsonl")
+        for ra, rb in zip(a, b, strict=True):
+            for key in ("version", "success_rate", "return_mean", "loss", "approx_kl", "env_steps"):
+                assert ra[key] == rb[key], (driver, key, ra, rb)
+        for (k, p), q in zip(ref.policy.state_dict().items(), lanes.policy.state_dict().values()):
+            assert torch.equal(p, q), (driver, k)
+
+
+def test_the_serial_driver_is_for_sync_mode_in_one_process(tmp_path):
+    with pytest.raises(ConfigError, match="swimlane.driver: serial needs swimlane.mode=sync"):
+        cfg_for(tmp_path, "swimlane.driver=serial").validate()
+    with pytest.raises(ConfigError, match=r"swimlane.driver: serial needs swimlane.env_groups \(5\) <= "):
+        cfg_for(tmp_path, "swimlane.driver=serial", "swimlane.mode=sync", "swimlane.env_groups=5").validate()
+    with pytest.raises(ConfigError, match="swimlane.driver: serial runs one process, the world has 2"):
+        Swimlane(cfg_for(tmp_path, "swimlane.driver=serial", "swimlane.mode=sync"), rank=0, world_size=2)
+
+
+def test_a_lane_error_under_the_serial_driver_names_the_lane(tmp_path):
+    lanes = Swimlane(cfg_for(tmp_path, "swimlane.driver=serial", "swimlane.mode=sync", "run.iterations=3"))
+    real_step, calls = lanes.envs[0].step, {"n": 0}
+
+    def broken_step(actions):
+        calls["n"] += 1
+        if calls["n"] >= 3:
+            raise RuntimeError("simulator exploded")
+        return real_step(actions)
+
+    lanes.envs[0].step = broken_step
+    with pytest.raises(LaneError, match="lane 'sampling' failed.*env group 0 failed 3 times in a row"):
+        lanes.run()
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["error"].startswith("swimlane lane 'sampling'")
 
 
 def test_async_run_overlaps_lanes_and_writes_outputs(tmp_path):

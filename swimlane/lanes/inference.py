@@ -40,6 +40,10 @@ class InferenceLane:
         self.weights, self.generator, self.tracer = weights, generator, tracer
         self.batch_all, self.pool, self.poll_s = batch_all, pool, poll_s
 
+    def poll(self) -> bool:
+        """For the serial driver: answer what is waiting, without blocking."""
+        return self.step(timeout=0.0)
+
     def run(self, stopping: Callable[[], bool]) -> None:
         while not stopping():
             self.step(timeout=self.poll_s)

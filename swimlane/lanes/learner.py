@@ -62,6 +62,26 @@ class LearnerLane:
         self.check_health, self.stall, self.idle = check_health, stall, idle
         self.stop_rollouts, self.activations = stop_rollouts, activations
         self.consumed_steps = 0
+        self._pending: tuple[list[RolloutBatch], list[Any]] = ([], [])  # poll(): chunks so far
+        self.done = False  # poll(): the last update is made
+
+    def accept(self, item, chunks: list[RolloutBatch], releases: list[Any]) -> None:
+        """Keep a received chunk, or drop it (counted) when it is too stale."""
+        batch, _meta, on_done = item
+        steps = env_steps(batch)
+        self.ledger.add("env_steps_sampled", steps)
+        lag = self.version() - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
+        if lag > self.cfg.max_staleness:
+            self.ledger.add("dropped_stale")
+            now = time.perf_counter()
+            self.tracer.add("gradient", "stale_drop", now, now)
+            if on_done is not None:
+                on_done()
+            return
+        self.stall.progress()  # a chunk the learner can use
+        self.consumed_steps += steps
+        chunks.append(batch)
+        releases.append(on_done)
 
     def collect(self, stop: threading.Event) -> tuple[list[RolloutBatch], list[Any]] | None:
         """``need`` chunks the learner can use (and their release callbacks), or None if
@@ -75,21 +95,7 @@ class LearnerLane:
             if item is None:
                 self.check_health(self.stall)
                 continue
-            batch, _meta, on_done = item
-            steps = env_steps(batch)
-            self.ledger.add("env_steps_sampled", steps)
-            lag = self.version() - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
-            if lag > self.cfg.max_staleness:
-                self.ledger.add("dropped_stale")
-                now = time.perf_counter()
-                self.tracer.add("gradient", "stale_drop", now, now)
-                if on_done is not None:
-                    on_done()
-                continue
-            self.stall.progress()  # a chunk the learner can use
-            self.consumed_steps += steps
-            chunks.append(batch)
-            releases.append(on_done)
+            self.accept(item, chunks, releases)
         if len(chunks) < self.cfg.need:
             self.ledger.add("discarded_after_run", len(chunks))  # stopped mid-collection
             return None
@@ -100,7 +106,23 @@ class LearnerLane:
         got = self.collect(stop)
         if got is None:
             return False
-        chunks, releases = got
+        return self.learn(*got)
+
+    def poll(self) -> bool:
+        """For the serial driver: take one waiting chunk without blocking, and learn once
+        ``need`` have arrived. True if it did anything."""
+        item = self.source.get(timeout=0.0)
+        if item is None:
+            return False
+        pending = self._pending
+        self.accept(item, *pending)
+        if len(pending[0]) == self.cfg.need:
+            self._pending = ([], [])
+            self.done = not self.learn(*pending)
+        return True
+
+    def learn(self, chunks: list[RolloutBatch], releases: list[Any]) -> bool:
+        """One update from ``chunks``; False after the last one."""
         if self.cfg.stop_rollouts_before_last and self.version() + 1 >= self.cfg.iterations:
             self.stop_rollouts()  # the last update has its data
         batch = concat(chunks)

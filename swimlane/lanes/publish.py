@@ -68,9 +68,22 @@ class PublishLane:
         self.slot, self.publish, self.snapshot = slot, publish, snapshot
         self.last_version, self.learner_done, self.poll_s = last_version, learner_done, poll_s
 
-    def run(self, start_version: int, stop: threading.Event) -> None:
+    def begin(self, start_version: int) -> None:
+        """Publish the starting weights: version 0, or the version a resumed run starts from."""
         self.snapshot()
-        self.publish(start_version)  # 0, or the version a resumed run starts from
+        self.publish(start_version)
+
+    def poll(self) -> bool:
+        """For the serial driver: publish a snapshot if one was handed over."""
+        version = self.slot.take(0.0)
+        if version is None:
+            return False
+        self.publish(version)
+        self.slot.done()
+        return True
+
+    def run(self, start_version: int, stop: threading.Event) -> None:
+        self.begin(start_version)
         while not stop.is_set():
             version = self.slot.take(self.poll_s)
             if version is None:

@@ -207,6 +207,35 @@ class SamplingLane:
             self.start_admitted()
         return True
 
+    # -- the serial driver (sync mode, one thread) ------------------------------------------
+    def begin(self) -> None:
+        """Before the first :meth:`poll`: the published weights version to start from."""
+        c = self.cfg
+        self.admission = Admission(self.weights.latest_version, c.chunks_per_update, c.senders, c.max_staleness)
+        self.round, self.current = self.weights.latest_version, None
+
+    def poll(self) -> bool:
+        """Sync mode without blocking: start the round's next group once the weights of the
+        round are published, or advance the active group by one reply. True if it did
+        anything."""
+        if self.current is None:
+            if self.weights.latest_version < self.round:
+                return False  # barrier: the weights learned from the last round
+            self.current = 0
+            self.start(0)
+            return True
+        try:
+            reply = Reply(*self.replies.get_nowait())
+        except queue.Empty:
+            return False
+        if self.on_reply(reply):
+            self.current += 1
+            if self.current == len(self.envs):
+                self.current, self.round = None, self.round + 1
+            else:
+                self.start(self.current)
+        return True
+
     def sync_round(self, round_: int) -> bool:
         """Sync: every group samples one batch of episodes on the weights of ``round_``."""
         with self.tracer.span("sampling", "wait"):  # barrier: the weights learned from the last round
