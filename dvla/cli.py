@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         from dvla.config_doc import main as config_ref
 
         return config_ref(rest)
-    from launch.planner import main as plan
+    from launch.plan_cli import main as plan
 
     return plan(rest)
 

@@ -9,12 +9,12 @@ import pytest
 
 from launch import planner
 from launch.placement import place
+from launch.plan_cli import main
 from launch.planner import (
     PLACE_MAX_RANKS,
     flat_broadcast,
     hierarchical_broadcast,
     learner_count,
-    main,
     parse_count,
     parse_nodes,
     placement_shape,
