@@ -36,65 +36,20 @@ An exception in any lane stops the run and is re-raised by :meth:`Swimlane.run` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import queue
 import threading
 import time
-from functools import partial
-from pathlib import Path
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
-
-from dvla.algos import build_algorithm
-from dvla.checkpoint import CheckpointManager, save_weights, weights_digest
-from dvla.config import ConfigError, JobConfig, dump_yaml
-from dvla.distributed import allreduce_mean_grads, mean_over_group, resolve_device
-from dvla.envs import env_spec, make_env
-from dvla.metrics import MetricsLogger
-from dvla.policy import PolicySpec, build_policy
-from dvla.rollout import episode_stats
-from dvla.types import RolloutBatch
-from planes.control import (
-    SHUTDOWN,
-    flat_buckets,
-    hierarchical_stages,
-    module_weights,
-    new_control_group,
-)
+from dvla.checkpoint import save_weights, weights_digest
+from dvla.config import JobConfig, dump_yaml
 from planes.data import DataPlaneConfig
-from swimlane.build import (
-    build_data_plane,
-    build_memory,
-    build_weights,
-    persistent_alloc,
-    place_ranks,
-)
-from swimlane.checkpointing import RunCheckpoints, truncate_metrics
 from swimlane.driver import LaneError, SerialDriver, ThreadedDriver
-from swimlane.health import StallTimer, dead_senders
-from swimlane.lanes import (
-    InferenceLane,
-    LearnerConfig,
-    LearnerLane,
-    PublishLane,
-    ReceiveLane,
-    Request,
-    SamplingConfig,
-    SamplingLane,
-    SnapshotSlot,
-    Update,
-)
-from swimlane.ledger import Ledger, chunk_accounting
-from swimlane.trace import Tracer, utilization
+from swimlane.rank import _POLL_S, RankLanes
+from swimlane.trace import utilization
 
 log = logging.getLogger("dvla.swimlane")
-_POLL_S = 0.05
-_THROTTLE_S = 2.0  # longest a rollout rank waits for newer weights while producing nothing
 # After a stop, lanes get this long to end. One blocked in a collective whose peer died never
 # does: run() then leaves it behind (its thread is a daemon), so that the summary is written
 # before torchrun, which stops the group with SIGTERM, follows up with SIGKILL (after 30 s).
@@ -102,153 +57,19 @@ _STOP_GRACE_S = 10.0
 _JOIN_S = 5.0  # then all lanes together get this long to finish
 
 
-def lower_thread_priority(nice: int) -> None:
-    """Add ``nice`` to the calling thread's niceness (Linux: a thread id is a process id
-    to ``setpriority``); warn and go on where that is not possible."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
-    except (AttributeError, OSError) as exc:
-        log.warning("swimlane.gradient_nice=%d not applied to the gradient lane: %r", nice, exc)
+class Swimlane(RankLanes):
+    """A rank's lanes (:class:`swimlane.rank.RankLanes`) and their lifecycle: which lanes
+    this rank runs, the driver that runs them (threads, or one thread with
+    ``swimlane.driver=serial``), draining and closing, and the summary."""
 
-
-class Swimlane:
     def __init__(self, cfg: JobConfig, rank: int = 0, world_size: int = 1,
                  data_plane: DataPlaneConfig | None = None,
                  on_update: Callable[[dict[str, Any]], None] | None = None):
         """``on_update(record)`` is called on rank 0 after every learner update with the
         record written to ``metrics.jsonl`` (for live displays and custom logging)."""
-        cfg.validate()
-        sl = cfg.swimlane
-        if sl.learner_ranks > world_size:
-            raise ConfigError(f"swimlane.learner_ranks: {sl.learner_ranks} learner ranks need at least that "
-                              f"many processes, the world has {world_size}")
-        if not sl.colocate and sl.learner_ranks == world_size:
-            raise ConfigError("swimlane.colocate: false leaves no rank to run rollouts; add processes or "
-                              "lower swimlane.learner_ranks")
-        if sl.driver == "serial" and world_size > 1:
-            raise ConfigError(f"swimlane.driver: serial runs one process, the world has {world_size}; "
-                              f"use swimlane.driver=threads")
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
-        self.on_update = on_update
-        self.sl = sl
-        if cfg.run.torch_threads:
-            torch.set_num_threads(cfg.run.torch_threads)
-        self.device = resolve_device(cfg.run.device)
-        self.topology, self.placement = place_ranks(sl, rank, world_size)
-        pl = self.placement
-        self.is_learner = rank in pl.learners
-        self.is_rollout = rank in pl.rollout
-        self.rollout_ranks = pl.rollout
-        self.group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1
-        self.iterations = cfg.run.iterations
-        self.out_dir = Path(cfg.run.out_dir)
-        self.tracer = Tracer(sl.trace)
-        self.stop_event = threading.Event()  # hard stop: error or request_stop()
-        self.rollout_stop = threading.Event()  # the learner is done: rollout lanes wind down
-        self.lanes_left_running: list[str] = []  # lanes (by name) still blocked when run() returned
-        self.learner_done = threading.Event()
+        super().__init__(cfg, rank, world_size, data_plane, on_update)
         self.driver = ThreadedDriver(stop=self.stop_event, on_error=self.request_stop, poll_s=_POLL_S)
 
-        self.memory, self.host_pool = build_memory(cfg, self.device)
-
-        # Same construction order as the synchronous trainer, so seeds give equal weights.
-        seed = cfg.run.seed
-        torch.manual_seed(seed)
-        self.envs = []
-        if self.is_rollout:
-            self.envs = [make_env(cfg.env, self.device, seed=seed + 7919 * rank)]
-            env_spec_ = self.envs[0].spec
-        else:  # a learner-only rank needs the spec, not a simulator (where the env can tell)
-            env_spec_ = env_spec(cfg.env, self.device, seed=seed + 7919 * rank)
-        spec = PolicySpec.for_env(env_spec_, cfg.policy.action_chunk)
-        self.policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(self.device).eval()
-        if self.is_rollout:
-            self.envs += [make_env(cfg.env, self.device, seed=seed + 7919 * rank + 15485863 * g)
-                          for g in range(1, sl.env_groups)]
-
-        # Process groups (every rank must create every group, in the same order).
-        self.learner_group = self.control_group = None
-        self.stages = None
-        if world_size > 1:
-            self.learner_group = dist.new_group(pl.learners)
-            self.control_group = new_control_group()
-            tree = pl.tree
-            if sl.hierarchical_broadcast and len(tree.leaders) > 1:
-                self.stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source)
-
-        if self.is_learner:
-            sync = None
-            if sl.learner_ranks > 1:
-                sync = partial(allreduce_mean_grads, group=self.learner_group)
-            if self.memory is not None:  # the learner's weights live in persistent buckets
-                flat_buckets(self.policy, alloc=persistent_alloc(self.memory), tag="policy")
-            self.algo = build_algorithm(cfg.algo, self.policy, sync)
-            if self.memory is not None:
-                self.memory.persistent.adopt_optimizer(self.algo.optimizer)
-            self.learn_gen = torch.Generator().manual_seed(seed + 2)
-        self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 104729 * rank + 1)
-
-        # Checkpoints: learners resume from the newest valid one (``run.resume``, or when
-        # torchrun restarted this worker group); rank 0 writes them.
-        self.version = 0
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        self.resumed_from: int | None = None
-        self.time_up = False  # run.time_limit_s reached
-        self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
-        self.ckpt = self.checkpoints = None
-        if self.is_learner:
-            self.ckpt = CheckpointManager(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
-            generators = {"learn": self.learn_gen, **({"sample": self.sample_gen} if rank == 0 else {})}
-            self.checkpoints = RunCheckpoints(self.ckpt, self.policy, self.algo, generators)
-            if cfg.run.resume or self.restarts > 0:
-                self._resume()
-
-        buffers = build_weights(self.policy, rank, world_size, self.control_group, self.stages,
-                                persistent_alloc(self.memory))
-        self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
-                                                                 buffers.snap_flats, buffers.bc)
-        if self.memory is not None:
-            self.memory.persistent.seal()  # from here on, only the transient pool allocates
-        self.source, self.sink, self.expected_senders = build_data_plane(
-            sl, data_plane or cfg.data_plane, rank, world_size, self.placement)
-
-        # Lane state.
-        self._requests: queue.Queue[Request] = queue.Queue()
-        self._replies: queue.Queue = queue.Queue()
-        self.slot = SnapshotSlot()  # learner lane -> publish lane (rank 0)
-        self.history: list[dict[str, Any]] = []
-        self._start_time = time.perf_counter()
-        self._start_unix = time.time()
-
-    # -- checkpoints -----------------------------------------------------------------------
-    def _save_checkpoint(self) -> None:
-        """Rank 0, from the gradient lane: the run's state at this version, atomically."""
-        with self.tracer.span("gradient", "checkpoint"):
-            self.checkpoints.save(self.version, {"env_steps": self._env_steps, "counters": self.total_counters(),
-                                                 "restarts": self.restarts, "config": self.cfg.to_dict()})
-
-    @property
-    def counters(self) -> dict[str, int]:
-        """This attempt's counters (:class:`swimlane.ledger.Ledger`)."""
-        return self.ledger.counts
-
-    def total_counters(self) -> dict[str, int]:
-        """This attempt's counters plus those of the attempts before a resume."""
-        return self.ledger.totals()
-
-    def _resume(self) -> None:
-        got = self.checkpoints.resume(self.restarts)
-        if got is None:
-            return
-        self.version = self.resumed_from = got.version
-        self.ledger.carry(got.counters, got.env_steps)
-        if self.rank == 0:
-            (log.warning if self.restarts else log.info)("resumed from %s (version %d, restart %d)", got.path,
-                                                         self.version, self.restarts)
-            truncate_metrics(self.out_dir / "metrics.jsonl", self.version)
-
-    # -- lane plumbing ---------------------------------------------------------------------
     @property
     def errors(self) -> list[LaneError]:
         return self.driver.errors
@@ -268,194 +89,6 @@ class Swimlane:
             lanes["sampling"] = self._sampling_lane
         return lanes
 
-    def request_stop(self) -> None:
-        """Stop every lane soon (signal handlers call this); ``run`` then returns."""
-        self.stop_event.set()
-        self.rollout_stop.set()
-
-    def _rollout_stopping(self) -> bool:
-        return self.rollout_stop.is_set() or self.stop_event.is_set()
-
-    # -- sampling and inference lanes ---------------------------------------------------
-    def _sampling_lane(self) -> None:
-        self._make_sampling().run()
-
-    def _make_sampling(self) -> SamplingLane:
-        return SamplingLane(
-            envs=self.envs, prepare=self.policy.prepare, requests=self._requests, replies=self._replies,
-            sink=self.sink, weights=self.weights, tracer=self.tracer, ledger=self.ledger,
-            stop=self.rollout_stop, halt=self.stop_event,
-            host_pool=self.host_pool if self.memory is not None else None,
-            cfg=SamplingConfig(
-                mode=self.sl.mode, n_envs=self.cfg.env.n_envs, group_size=self.group_size,
-                episode_len=self.cfg.env.episode_len, action_chunk=self.cfg.policy.action_chunk,
-                has_value=self.policy.has_value_head, chunks_per_update=self.sl.chunks_per_update,
-                senders=len(self.placement.senders_of(self.placement.routes[self.rank])),
-                max_staleness=self.sl.max_staleness, max_env_failures=self.sl.max_env_failures,
-                rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
-                rollout_ranks=len(self.rollout_ranks), throttle_s=_THROTTLE_S, poll_s=_POLL_S),
-        )
-
-    def _inference_lane(self) -> None:
-        self._make_inference().run(self._rollout_stopping)
-
-    def _make_inference(self) -> InferenceLane:
-        return InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
-                             generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
-                             pool=self.memory.transient if self.memory is not None else None, poll_s=_POLL_S)
-
-    # -- gradient lane ---------------------------------------------------------------------
-    def _chunks_per_update(self) -> int:
-        """Async: ``chunks_per_update``; sync: one chunk from every group routed here."""
-        if self.sl.mode == "async":
-            return self.sl.chunks_per_update
-        return self.sl.env_groups * max(1, len(self.expected_senders))
-
-    def _gradient_lane(self) -> None:
-        if self.sl.gradient_nice:
-            lower_thread_priority(self.sl.gradient_nice)
-        lane = self._make_learner()
-        try:
-            lane.run(self.stop_event)
-        finally:
-            self._logger.close()
-            self.learner_done.set()
-
-    def _make_learner(self) -> LearnerLane:
-        """The learner lane, and the metrics logger its updates write to."""
-        self._logger = MetricsLogger(self.out_dir, self.iterations, enabled=self.rank == 0,
-                                     progress=self.cfg.run.progress, initial=self.version,
-                                     tensorboard=self.cfg.run.tensorboard)
-        self._env_steps = self.ledger.carried_env_steps
-        return LearnerLane(
-            source=self.source, algo=self.algo, generator=self.learn_gen, ledger=self.ledger, tracer=self.tracer,
-            cfg=LearnerConfig(need=self._chunks_per_update(), max_staleness=self.sl.max_staleness,
-                              iterations=self.iterations, stop_rollouts_before_last=self.sl.mode == "async",
-                              poll_s=_POLL_S),
-            version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
-            stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
-            stop_rollouts=self.rollout_stop.set, activations=self._activations)
-
-    def _retry_handoff(self) -> None:
-        if self.slot.pending and self.slot.free:
-            self._handoff(wait=False)  # a version skipped while the publish lane was busy
-
-    def _finish_update(self, update: Update) -> bool:
-        """After one learner step: the new version's metrics, checkpoint and snapshot.
-        True after the last update (or when the time is up)."""
-        self.version += 1
-        stats, steps_global = self._global_stats(update.batch, update.env_steps)
-        self._env_steps = steps_global
-        wall = time.perf_counter() - self._start_time
-        totals = self.total_counters()
-        m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
-             "env_steps_per_s": (steps_global - self.ledger.carried_env_steps) / wall, "learn_s": update.learn_s,
-             "dropped_stale": totals["dropped_stale"], "queue_depth": self.source.depth(),
-             "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
-             **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
-                if k in ("sent", "rejected_invalid", "lost_dead_peer")},
-             **stats, **update.learn, **self._memory_metrics()}
-        lead = self.rank == 0
-        self.history.append(self._logger.log(self.version - 1, m))
-        if lead and self.on_update is not None:
-            self.on_update(self.history[-1])
-        last = self.version == self.iterations or self.time_up
-        every = self.cfg.run.save_every
-        if lead and ((every and self.version % every == 0) or last):
-            self._save_checkpoint()
-        if lead and (self.version % self.sl.broadcast_every == 0 or last):
-            self._handoff(wait=self.sl.mode == "sync" or last)
-        return last
-
-    def _check_health(self, stall: StallTimer) -> None:
-        self._check_senders()
-        self._check_stall(stall)
-
-    def _check_senders(self) -> None:
-        """A rollout rank whose heartbeats stopped (crashed, killed, frozen) cannot take
-        part in the next weight broadcast, so the run cannot go on without it: stop with
-        a report naming it (torchrun then restarts the group, which resumes from the
-        last checkpoint) instead of hanging in a collective."""
-        if self.world_size == 1:
-            return
-        dead = dead_senders(self.expected_senders, self.source.ended, self.source.receiver.dead_peers)
-        if dead:
-            raise RuntimeError(
-                f"rollout rank(s) {', '.join(dead)} stopped sending heartbeats for "
-                f"{self.cfg.data_plane.peer_timeout_s}s (data_plane.peer_timeout_s): crashed or hung. "
-                f"Weights cannot be broadcast without them; stopping this attempt "
-                f"(chunk accounting: {self.chunk_accounting()})")
-
-    def _check_stall(self, stall: StallTimer) -> None:
-        """No usable chunk for ``swimlane.stall_timeout_s``: something is stuck without
-        crashing (a simulator step that never returns, a frozen rank, rollouts whose every
-        chunk is too stale): stop and say so. Dropped chunks are not progress."""
-        limit = self.sl.stall_timeout_s
-        if stall.stalled_for() is not None:
-            raise RuntimeError(
-                f"no usable trajectory chunk for {limit}s (swimlane.stall_timeout_s): a simulator or rollout "
-                f"rank is stuck, or every chunk arrives too stale; env_steps_sampled="
-                f"{self.counters['env_steps_sampled']}, dropped_stale={self.counters['dropped_stale']}, "
-                f"version={self.version}")
-
-    def _activations(self):
-        """On CUDA, the learner's activations go to the transient pool's segments."""
-        return self.memory.transient.activations() if self.memory is not None else contextlib.nullcontext()
-
-    def _memory_metrics(self) -> dict[str, float]:
-        if self.memory is None:
-            return {}
-        m = self.memory.metrics()
-        if self.host_pool is not self.memory.transient:
-            m.update(self.host_pool.stats().as_metrics())
-        return m
-
-    def _global_stats(self, batch: RolloutBatch, steps_total: int) -> tuple[dict[str, float], int]:
-        """Episode stats averaged and consumed env steps summed over the learner ranks."""
-        limit = self.cfg.run.time_limit_s
-        time_up = float(bool(limit) and time.perf_counter() - self._start_time >= limit)
-        stats = {**episode_stats(batch), "env_steps": float(steps_total), "time_up": time_up}
-        if self.sl.learner_ranks > 1:  # learners agree on when the time is up
-            stats = mean_over_group(stats, self.learner_group)
-        self.time_up = stats.pop("time_up") > 0
-        return stats, self.ledger.carried_env_steps + round(stats.pop("env_steps") * self.sl.learner_ranks)
-
-    def _handoff(self, wait: bool) -> None:
-        """Give the publish lane a snapshot of the current weights (one copy), unless it is
-        still sending the previous one and ``wait`` is false: then this version is skipped
-        and a later one goes out (newest weights win)."""
-        def copy() -> None:
-            with self.tracer.span("gradient", "snapshot"):
-                self._take_snapshot()
-
-        if not self.slot.offer(self.version, copy, wait, self.stop_event, _POLL_S) and self.slot.pending:
-            self.ledger.add("publish_skipped_busy")
-
-    @torch.no_grad()
-    def _take_snapshot(self) -> None:
-        torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))
-
-    # -- broadcast lane --------------------------------------------------------------------
-    def _publish(self, version: int) -> None:
-        with self.tracer.span("broadcast", "publish"):
-            if self.bc is not None:
-                self.bc.publish(version)
-            if self.is_rollout:
-                self.weights.write(version, self.snap_flats)
-        self.ledger.add("publishes")
-
-    def _broadcast_lane(self) -> None:
-        """Rank 0: publish the starting weights (version 0, or the resumed version), then every
-        snapshot handed over."""
-        self._make_publisher().run(self.version, self.stop_event)
-        if self.bc is not None:
-            self.bc.shutdown()
-        self.rollout_stop.set()
-
-    def _make_publisher(self) -> PublishLane:
-        return PublishLane(slot=self.slot, publish=lambda v: self._publish(v), snapshot=self._take_snapshot,
-                           last_version=self.iterations, learner_done=self.learner_done, poll_s=_POLL_S)
-
     def _run_serial(self) -> None:
         """``swimlane.driver=serial``: all four lanes in this thread (sync mode, one process)."""
         sampling, inference, publisher = self._make_sampling(), self._make_inference(), self._make_publisher()
@@ -473,12 +106,6 @@ class Swimlane:
             self.learner_done.set()
             self.rollout_stop.set()
 
-    def _receive_lane(self) -> None:
-        """Other ranks: receive every published version into the standby replica."""
-        ReceiveLane(broadcaster=self.bc, weights=self.weights, tracer=self.tracer, shutdown_marker=SHUTDOWN).run()
-        self.rollout_stop.set()
-
-    # -- run -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Run until the learner has made ``run.iterations`` updates (or a stop); returns
         the run summary on every rank (rank 0's has the learning results)."""
@@ -548,20 +175,6 @@ class Swimlane:
             self.source.receiver.counters.dropped["run_ended"] += 1
         if item[2] is not None:
             item[2]()  # the rollout buffers go back to the pool
-
-    def chunk_accounting(self) -> dict[str, int]:
-        """Where every chunk sent to this learner went (:func:`swimlane.ledger.chunk_accounting`)."""
-        if self.world_size == 1:
-            return chunk_accounting(self.counters, local=True)
-        src = self.source
-        return chunk_accounting(self.counters, local=False, invalid=src.invalid, ended=src.ended,
-                                reported=src.receiver.reported_sent, received=src.received,
-                                dead=src.receiver.dead_peers, expected=self.expected_senders)
-
-    def expected_senders_ended(self) -> bool:
-        src = self.source
-        gone = set(src.ended) | set(src.receiver.dead_peers)
-        return all(s in gone for s in self.expected_senders)
 
     def _close(self) -> None:
         for env in self.envs:
