@@ -5,7 +5,7 @@ metadata (producing rank and group, a per-sender sequence number). In one proces
 goes through a bounded in-process queue; across processes over the ZeroMQ data plane
 (:mod:`planes.data`), where each tensor is a zero-copy frame. Both sides of both paths
 have the same small interface: ``put(batch, meta, stop, on_done)`` and ``get(timeout)``,
-which returns ``(batch, meta, on_done)``. ``on_done`` (optional) is called once the
+which returns a :class:`swimlane.channels.Chunk` ``(batch, meta, on_done)``. ``on_done`` (optional) is called once the
 chunk's memory is no longer needed: by the learner after its update in one process, by
 the data plane once ZeroMQ has sent the frames across processes. The swimlane uses it
 to give rollout buffers back to the transient memory pool.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import queue
 import threading
 from typing import Any, Callable
 
@@ -24,6 +23,7 @@ import torch
 
 from dvla.types import RolloutBatch
 from planes.data import TrajectoryReceiver, TrajectorySender
+from swimlane.channels import Chunk, LocalChannel
 
 CHUNK_KIND = "chunk"
 END_KIND = "end"
@@ -73,29 +73,20 @@ class LocalChunks:
     """In-process, bounded: ``put`` blocks while the learner is ``capacity`` chunks behind."""
 
     def __init__(self, capacity: int):
-        self._q: queue.Queue = queue.Queue(maxsize=capacity)
+        self._ch: LocalChannel[Chunk] = LocalChannel(capacity)
 
     def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event,
             on_done: Callable[[], None] | None = None) -> bool:
-        while not stop.is_set():
-            try:
-                self._q.put((batch, meta, on_done), timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return self._ch.put(Chunk(batch, meta, on_done), stop)
 
     def end(self, meta: dict[str, Any]) -> None:
         pass
 
-    def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any], Callable[[], None] | None] | None:
-        try:
-            return self._q.get(timeout=timeout)
-        except queue.Empty:
-            return None
+    def get(self, timeout: float) -> Chunk | None:
+        return self._ch.get(timeout)
 
     def depth(self) -> int:
-        return self._q.qsize()
+        return self._ch.depth()
 
     def close(self) -> None:
         pass
@@ -128,7 +119,7 @@ class RemoteChunkSource:
         self.received: collections.Counter = collections.Counter()  # sender -> chunk messages
         self.invalid = 0
 
-    def get(self, timeout: float) -> tuple[RolloutBatch, dict[str, Any], None] | None:
+    def get(self, timeout: float) -> Chunk | None:
         msg = self.receiver.get(timeout=timeout)
         if msg is None:
             return None
@@ -140,7 +131,7 @@ class RemoteChunkSource:
         try:
             if msg.kind != CHUNK_KIND:
                 raise ChunkError(f"unexpected message kind {msg.kind!r}")
-            return batch_from_tensors(msg.tensors), msg.meta, None
+            return Chunk(batch_from_tensors(msg.tensors), msg.meta, None)
         except ChunkError as exc:
             self.invalid += 1
             self.receiver.counters.rejected["invalid_chunk"] += 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import threading
 import time
 from functools import partial
@@ -42,6 +41,7 @@ from swimlane.build import (
     persistent_alloc,
     place_ranks,
 )
+from swimlane.channels import LocalChannel
 from swimlane.checkpointing import RunCheckpoints, truncate_metrics
 from swimlane.health import StallTimer, dead_senders
 from swimlane.lanes import (
@@ -50,6 +50,7 @@ from swimlane.lanes import (
     LearnerLane,
     PublishLane,
     ReceiveLane,
+    Reply,
     Request,
     SamplingConfig,
     SamplingLane,
@@ -174,8 +175,8 @@ class RankLanes:
             sl, data_plane or cfg.data_plane, rank, world_size, self.placement)
 
         # Lane state.
-        self._requests: queue.Queue[Request] = queue.Queue()
-        self._replies: queue.Queue = queue.Queue()
+        self._requests: LocalChannel[Request] = LocalChannel()  # sampling -> inference
+        self._replies: LocalChannel[Reply] = LocalChannel()  # inference -> sampling
         self.slot = SnapshotSlot()  # learner lane -> publish lane (rank 0)
         self.history: list[dict[str, Any]] = []
         self._start_time = time.perf_counter()

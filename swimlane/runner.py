@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from typing import Any, Callable
 
@@ -73,10 +72,6 @@ class Swimlane(RankLanes):
     @property
     def errors(self) -> list[LaneError]:
         return self.driver.errors
-
-    def _lane(self, name: str, fn) -> threading.Thread:
-        """Start ``fn`` as lane ``name`` in a thread of its own (supervised by the driver)."""
-        return self.driver.start(name, fn)
 
     def _lanes(self) -> dict[str, Callable[[], None]]:
         """This rank's lanes, by its role: the one place that decides which lanes run."""

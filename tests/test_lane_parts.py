@@ -90,7 +90,6 @@ def test_admission_waits_for_weights_the_learner_will_accept():
 def _lanes_on_fast_reach(mode="async", groups=2):
     """A sampling and an inference lane joined by plain queues, on the pure-torch env."""
     import copy
-    import queue
     import threading
 
     import torch
@@ -99,6 +98,7 @@ def _lanes_on_fast_reach(mode="async", groups=2):
     from dvla.envs import make_env
     from dvla.policy import PolicySpec, build_policy
     from planes.control import flat_buckets
+    from swimlane.channels import LocalChannel
     from swimlane.chunks import LocalChunks
     from swimlane.lanes import InferenceLane, SamplingConfig, SamplingLane
     from swimlane.trace import Tracer
@@ -113,7 +113,7 @@ def _lanes_on_fast_reach(mode="async", groups=2):
     replicas = [copy.deepcopy(policy).requires_grad_(False) for _ in range(2)]
     weights = DoubleBufferedWeights(replicas, [flat_buckets(r) for r in replicas])
     weights.write(0, flat_buckets(copy.deepcopy(policy)))
-    requests, replies, sink = queue.Queue(), queue.Queue(), LocalChunks(capacity=16)
+    requests, replies, sink = LocalChannel(), LocalChannel(), LocalChunks(capacity=16)
     tracer, ledger, stop = Tracer(), Ledger(), threading.Event()
     cfg = SamplingConfig(mode=mode, n_envs=4, group_size=2, episode_len=3, action_chunk=1, has_value=False,
                          chunks_per_update=1, senders=1, max_staleness=1, max_env_failures=2, rank=0,
@@ -136,8 +136,8 @@ def test_sampling_and_inference_lanes_step_in_one_thread():
     sampling.admission = Admission(0, 1, 1, 1)
     sampling.parked = [0, 1]
     sampling.start_admitted()  # version 0 admits two batches (the learner takes 1 chunk per version)
-    assert requests.qsize() == 2 and sampling.parked == []
-    assert inference.step() and requests.qsize() == 0  # one pass answered both groups
+    assert requests.depth() == 2 and sampling.parked == []
+    assert inference.step() and requests.depth() == 0  # one pass answered both groups
     chunks = []
     for _ in range(40):
         inference.step()
@@ -200,3 +200,19 @@ def test_the_serial_driver_reports_a_deadlock_and_a_failing_lane():
     count = []
     SerialDriver({"a": lambda: count.append(1) or True}).run(lambda: len(count) >= 5, threading.Event())
     assert len(count) == 5
+
+
+def test_a_local_channel_waits_when_full_and_stops_sending_after_a_stop():
+    import threading
+
+    from swimlane.channels import Chunk, LocalChannel
+
+    ch, stop = LocalChannel(capacity=1, poll_s=0.01), threading.Event()
+    assert ch.get(0.0) is None and ch.depth() == 0
+    assert ch.put(Chunk("b", {"n": 1}, None), stop) and ch.depth() == 1
+    threading.Timer(0.1, stop.set).start()
+    assert not ch.put(Chunk("c", {}, None), stop)  # full until the stop: not sent
+    assert ch.get(0.0) == ("b", {"n": 1}, None) and ch.get(0.05) is None
+    assert not ch.put(Chunk("d", {}, None), stop)  # after a stop nothing more goes in
+    unbounded = LocalChannel()
+    assert all(unbounded.put(i) for i in range(100)) and unbounded.depth() == 100

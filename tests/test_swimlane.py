@@ -159,22 +159,33 @@ def _chunk(policy, env, version, offset):
 
 
 def test_stale_chunks_are_dropped_and_counted(tmp_path):
-    """Feed the gradient lane by hand: chunks older than max_staleness are dropped."""
+    """Feed the learner lane by hand, in this thread: chunks older than max_staleness are
+    dropped and counted, and only usable ones count as progress."""
+    from swimlane.chunks import LocalChunks
+    from swimlane.health import StallTimer
+    from swimlane.lanes import LearnerConfig, LearnerLane
+    from swimlane.ledger import Ledger
+
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=3", "swimlane.max_staleness=0"))
-    env = lanes.envs[0]
-    lanes.tracer.enabled = False
-    threads = [lanes._lane("gradient", lanes._gradient_lane), lanes._lane("broadcast", lanes._broadcast_lane)]
+    env, stop, source, ledger = lanes.envs[0], threading.Event(), LocalChunks(8), Ledger()
     # learner at 0: v0 ok -> 1; v0 stale; v1 ok -> 2; v0 stale; v2 ok -> 3
     for i, v in enumerate([0, 0, 1, 0, 2]):
-        assert lanes.source.put(_chunk(lanes.policy, env, v, i * 2), {}, lanes.stop_event)
-        deadline = time.monotonic() + 30
-        while lanes.source.depth() and time.monotonic() < deadline:
-            time.sleep(0.01)
-    for t in threads:
-        t.join(timeout=30)
-    assert not lanes.errors
-    assert lanes.version == 3
-    assert lanes.counters["dropped_stale"] == 2 and lanes.counters["chunks_consumed"] == 3
+        assert source.put(_chunk(lanes.policy, env, v, i * 2), {}, stop)
+    version, seen = [0], []
+
+    def finish(update):
+        version[0] += 1
+        seen.append(update.batch.policy_version.max().item())
+        return version[0] == 3
+
+    lane = LearnerLane(source=source, algo=lanes.algo, generator=torch.Generator().manual_seed(0), ledger=ledger,
+                       tracer=lanes.tracer, cfg=LearnerConfig(need=1, max_staleness=0, iterations=3,
+                                                              stop_rollouts_before_last=False),
+                       version=lambda: version[0], finish_update=finish, check_health=lambda stall: None,
+                       stall=StallTimer(0.0))
+    lane.run(stop)
+    assert version[0] == 3 and seen == [0, 1, 2] and source.depth() == 0
+    assert ledger["dropped_stale"] == 2 and ledger["chunks_consumed"] == 3
 
 
 def test_off_policy_update_recomputes_proximal_log_probs(tmp_path):

@@ -3,13 +3,13 @@ weights and answers each env group with its share, stamped with the weights vers
 
 from __future__ import annotations
 
-import queue
 from typing import Callable
 
 import torch
 
 from dvla.policy import ActOutput
 from dvla.types import Observation
+from swimlane.channels import Channel
 from swimlane.lanes.messages import Reply, Request
 from swimlane.trace import Tracer
 from swimlane.weights import DoubleBufferedWeights
@@ -34,7 +34,7 @@ class InferenceLane:
     """``requests`` in, ``replies`` out. In async mode a step takes every request waiting
     (one forward pass for all groups); in sync mode one at a time."""
 
-    def __init__(self, *, requests: queue.Queue, replies: queue.Queue, weights: DoubleBufferedWeights,
+    def __init__(self, *, requests: Channel[Request], replies: Channel[Reply], weights: DoubleBufferedWeights,
                  generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05):
         self.requests, self.replies = requests, replies
         self.weights, self.generator, self.tracer = weights, generator, tracer
@@ -51,15 +51,12 @@ class InferenceLane:
     @torch.no_grad()
     def step(self, timeout: float = 0.0) -> bool:
         """Answer the requests waiting (wait up to ``timeout`` for one); False if none came."""
-        try:
-            reqs: list[Request] = [self.requests.get(timeout=timeout) if timeout else self.requests.get_nowait()]
-        except queue.Empty:
+        first = self.requests.get(timeout)
+        if first is None:
             return False
-        while self.batch_all:
-            try:
-                reqs.append(self.requests.get_nowait())
-            except queue.Empty:
-                break
+        reqs: list[Request] = [first]
+        while self.batch_all and (more := self.requests.get(0.0)) is not None:
+            reqs.append(more)
         policy, version = self.weights.acquire()
         for kind in ("act", "value"):
             batch = [r for r in reqs if r.kind == kind]

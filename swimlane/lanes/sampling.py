@@ -12,7 +12,6 @@ learned from the one before.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 
 from dvla.rollout import EpisodeRecorder
 from swimlane.admission import Admission
+from swimlane.channels import Channel
 from swimlane.health import FailureBudget
 from swimlane.lanes.messages import Reply, Request
 from swimlane.ledger import Ledger
@@ -60,7 +60,7 @@ class GroupState:
 
 
 class SamplingLane:
-    def __init__(self, *, envs: list, prepare: Callable, requests: queue.Queue, replies: queue.Queue, sink,
+    def __init__(self, *, envs: list, prepare: Callable, requests: Channel[Request], replies: Channel[Reply], sink,
                  weights: DoubleBufferedWeights, tracer: Tracer, ledger: Ledger, cfg: SamplingConfig,
                  stop: threading.Event, halt: threading.Event, host_pool=None):
         """``stop``: the rollouts should stop (also set when the run stops); ``halt``: the
@@ -156,10 +156,9 @@ class SamplingLane:
     def next_reply(self) -> Reply | None:
         with self.tracer.span("sampling", "wait"):
             while not self.stopping():
-                try:
-                    return Reply(*self.replies.get(timeout=self.cfg.poll_s))
-                except queue.Empty:
-                    continue
+                reply = self.replies.get(self.cfg.poll_s)
+                if reply is not None:
+                    return reply
         return None
 
     # -- the lane -------------------------------------------------------------------------
@@ -224,9 +223,8 @@ class SamplingLane:
             self.current = 0
             self.start(0)
             return True
-        try:
-            reply = Reply(*self.replies.get_nowait())
-        except queue.Empty:
+        reply = self.replies.get(0.0)
+        if reply is None:
             return False
         if self.on_reply(reply):
             self.current += 1
