@@ -12,7 +12,8 @@ from .config import MemoryConfig
 from .manager import MemoryManager
 from .persistent import PersistentPool
 from .pools import MIN_BLOCK_BYTES, PoolStats, size_class
-from .transient import Lease, TransientPool
+from .lease import Lease
+from .transient import TransientPool
 
 __all__ = [
     "MIN_BLOCK_BYTES",

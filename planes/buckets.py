@@ -1,0 +1,103 @@
+"""Flat weight buckets: a model's parameters and buffers laid out in a few contiguous
+tensors (the module's own tensors become views into them), so that a weights version moves
+as one collective per bucket (:mod:`planes.control`)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+DEFAULT_BUCKET_BYTES = 32 << 20
+
+
+class LayoutMismatchError(RuntimeError):
+    """Ranks of the control group hold models with different parameter layouts."""
+
+
+@dataclass
+class _Bucket:
+    flat: Tensor
+    names: list[str]
+
+
+def _entries(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """Parameters and floating-point buffers, in a deterministic order."""
+    out = [(n, p.data) for n, p in module.named_parameters()]
+    out += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+    return out
+
+
+def module_weights(module: nn.Module) -> list[Tensor]:
+    """The tensors a broadcast carries (parameters, floating buffers), in layout order."""
+    return [t for _, t in _entries(module)]
+
+
+def _rebind(module: nn.Module, name: str, view: Tensor) -> None:
+    """Make parameter/buffer ``name`` of ``module`` live in ``view`` (values copied)."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if leaf in owner._parameters:
+        param = owner._parameters[leaf]
+        view.copy_(param.data)
+        param.data = view
+    else:
+        view.copy_(owner._buffers[leaf])
+        owner._buffers[leaf] = view
+
+
+Alloc = Callable[[int, torch.dtype, torch.device, str], Tensor]
+"""``alloc(numel, dtype, device, tag)`` -> a 1-D tensor: where flat buckets come from
+(e.g. :meth:`memory.PersistentPool.empty`); ``torch.empty`` by default."""
+
+
+def _default_alloc(numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+@torch.no_grad()
+def _layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket_bytes: int,
+                    device: torch.device, alloc: Alloc | None = None, tag: str = "weights") -> list[_Bucket]:
+    """Allocate flat buckets (at most ``bucket_bytes``, one dtype each) and rebind every
+    entry of ``module`` to its view in them."""
+    alloc = alloc or _default_alloc
+    buckets: list[_Bucket] = []
+    by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+    for name, t in entries:
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    for dtype, items in by_dtype.items():
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        cap = max(1, bucket_bytes // itemsize)
+        group: list[tuple[str, Tensor]] = []
+        size = 0
+        for item in items + [None]:
+            if item is None or (group and size + item[1].numel() > cap):
+                flat = alloc(size, dtype, device, f"{tag}/bucket{len(buckets)}")
+                off = 0
+                for name, t in group:
+                    _rebind(module, name, flat[off : off + t.numel()].view_as(t))
+                    off += t.numel()
+                buckets.append(_Bucket(flat, [n for n, _ in group]))
+                group, size = [], 0
+            if item is not None:
+                group.append(item)
+                size += item[1].numel()
+    return buckets
+
+
+def flat_buckets(module: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, alloc: Alloc | None = None,
+                 tag: str = "weights") -> list[Tensor]:
+    """Lay ``module`` out in flat buckets (see :class:`WeightBroadcaster`) without any
+    collective; returns the flat tensors, e.g. for copying whole versions in one pass."""
+    entries = _entries(module)
+    return [b.flat for b in _layout_buckets(module, entries, bucket_bytes, entries[0][1].device, alloc, tag)]
+
+
+def layout_checksum(entries: list[tuple[str, Tensor]], bucket_bytes: int) -> int:
+    h = hashlib.sha256(str(bucket_bytes).encode())
+    for name, t in entries:
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+    return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)
