@@ -33,7 +33,7 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from launch.gpu_links import gpu_links, parse_nvidia_smi_topo  # noqa: F401  (parse_nvidia_smi_topo: public here)
+from launch.gpu_links import gpu_links
 
 _SPEC_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 

@@ -58,15 +58,13 @@ def build_memory(cfg: JobConfig, device: torch.device) -> tuple[MemoryManager | 
     if not cfg.memory.enabled:
         return None, None
     try:  # checked at config time on the CPU; a fraction resolves per device here
-        persistent = parse_budget(cfg.memory.persistent_budget, device, "memory.persistent_budget")
-        transient = parse_budget(cfg.memory.transient_budget, device, "memory.transient_budget")
-        host_transient = parse_budget(cfg.memory.transient_budget, "cpu", "memory.transient_budget")
+        memory = MemoryManager(device, cfg.memory.persistent_budget, cfg.memory.transient_budget)
+        host_pool = memory.transient
+        if device.type != "cpu":
+            host_pool = TransientPool("cpu", parse_budget(cfg.memory.transient_budget, "cpu",
+                                                          "memory.transient_budget"), name="transient_host")
     except BudgetError as exc:
         raise ConfigError(str(exc)) from None
-    memory = MemoryManager(device, persistent, transient)
-    host_pool = memory.transient
-    if device.type != "cpu":
-        host_pool = TransientPool("cpu", host_transient, name="transient_host")
     return memory, host_pool
 
 

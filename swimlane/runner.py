@@ -42,8 +42,7 @@ import time
 from typing import Any, Callable
 
 from dvla.checkpoint import save_weights, weights_digest
-from dvla.config import JobConfig, dump_yaml
-from planes.data import DataPlaneConfig
+from dvla.config import dump_yaml
 from swimlane.driver import LaneError, SerialDriver, ThreadedDriver
 from swimlane.rank import _POLL_S, RankLanes
 from swimlane.trace import utilization
@@ -61,12 +60,9 @@ class Swimlane(RankLanes):
     this rank runs, the driver that runs them (threads, or one thread with
     ``swimlane.driver=serial``), draining and closing, and the summary."""
 
-    def __init__(self, cfg: JobConfig, rank: int = 0, world_size: int = 1,
-                 data_plane: DataPlaneConfig | None = None,
-                 on_update: Callable[[dict[str, Any]], None] | None = None):
-        """``on_update(record)`` is called on rank 0 after every learner update with the
-        record written to ``metrics.jsonl`` (for live displays and custom logging)."""
-        super().__init__(cfg, rank, world_size, data_plane, on_update)
+    def __init__(self, *args: Any, **kwargs: Any):
+        """As :class:`swimlane.rank.RankLanes`."""
+        super().__init__(*args, **kwargs)
         self.driver = ThreadedDriver(stop=self.stop_event, on_error=self.request_stop, poll_s=_POLL_S)
 
     @property

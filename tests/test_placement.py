@@ -13,7 +13,8 @@ from torch.distributed import TCPStore
 
 from launch import topology as topo_mod
 from launch.placement import BroadcastTree, Placement, format_placement, place
-from launch.topology import HostInfo, Topology, describe, discover, from_spec, local_info, parse_nvidia_smi_topo
+from launch.gpu_links import parse_nvidia_smi_topo
+from launch.topology import HostInfo, Topology, describe, discover, from_spec, local_info
 
 # -- nvidia-smi topo -m samples -------------------------------------------------------------------------
 

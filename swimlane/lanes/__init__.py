@@ -2,10 +2,10 @@
 channels that join it to the others."""
 
 from swimlane.lanes.inference import InferenceLane
-from swimlane.lanes.learner import LearnerConfig, LearnerLane, Update, env_steps
+from swimlane.lanes.learner import LearnerConfig, LearnerLane, Update
 from swimlane.lanes.messages import Reply, Request
 from swimlane.lanes.publish import PublishLane, ReceiveLane, SnapshotSlot
 from swimlane.lanes.sampling import SamplingConfig, SamplingLane
 
-__all__ = ["InferenceLane", "LearnerConfig", "LearnerLane", "Update", "env_steps", "PublishLane", "ReceiveLane", "Reply", "Request", "SamplingConfig", "SamplingLane",
+__all__ = ["InferenceLane", "LearnerConfig", "LearnerLane", "Update", "PublishLane", "ReceiveLane", "Reply", "Request", "SamplingConfig", "SamplingLane",
            "SnapshotSlot"]

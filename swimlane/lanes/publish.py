@@ -67,33 +67,32 @@ class PublishLane:
                  last_version: int, learner_done: threading.Event, poll_s: float = 0.05):
         self.slot, self.publish, self.snapshot = slot, publish, snapshot
         self.last_version, self.learner_done, self.poll_s = last_version, learner_done, poll_s
+        self.finished = False  # the last version is out
 
     def begin(self, start_version: int) -> None:
         """Publish the starting weights: version 0, or the version a resumed run starts from."""
         self.snapshot()
         self.publish(start_version)
 
-    def poll(self) -> bool:
-        """For the serial driver: publish a snapshot if one was handed over."""
-        version = self.slot.take(0.0)
+    def poll(self, timeout: float = 0.0) -> bool:
+        """Publish a snapshot if one is handed over within ``timeout`` (0: the serial
+        driver's non-blocking step)."""
+        version = self.slot.take(timeout)
         if version is None:
             return False
         self.publish(version)
         self.slot.done()
+        self.finished = version >= self.last_version
         return True
 
     def run(self, start_version: int, stop: threading.Event) -> None:
         self.begin(start_version)
         while not stop.is_set():
-            version = self.slot.take(self.poll_s)
-            if version is None:
-                if self.learner_done.is_set() and self.slot.free:
-                    break  # the learner ended and nothing is waiting to go out
-                continue
-            self.publish(version)
-            self.slot.done()
-            if version >= self.last_version:
-                break
+            if self.poll(self.poll_s):
+                if self.finished:
+                    break
+            elif self.learner_done.is_set() and self.slot.free:
+                break  # the learner ended and nothing is waiting to go out
 
 
 class ReceiveLane:

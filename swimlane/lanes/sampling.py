@@ -166,20 +166,18 @@ class SamplingLane:
         with self.tracer.span("sampling", "wait"):
             if not self.weights.wait_for(0, self.stop):
                 return
-        base = self.weights.latest_version  # the first published version (> 0 after a resume)
-        c = self.cfg
-        self.admission = Admission(base, c.chunks_per_update, c.senders, c.max_staleness)
-        if c.mode == "async":
+        self.begin()
+        if self.cfg.mode == "async":
             self.parked = list(range(len(self.envs)))
             self.start_admitted()
             while not self.stopping() and self.step():
                 pass
         else:
-            round_ = base
+            round_ = self.round
             while not self.stopping() and self.sync_round(round_):
                 round_ += 1
         if self.sink is not None and not self.halt.is_set():
-            self.sink.end({"rank": c.rank, "chunks": self.ledger["chunks_sent"]})
+            self.sink.end({"rank": self.cfg.rank, "chunks": self.ledger["chunks_sent"]})
 
     def start_admitted(self) -> None:
         while self.parked and self.admission.admits(self.weights.latest_version):
@@ -208,7 +206,8 @@ class SamplingLane:
 
     # -- the serial driver (sync mode, one thread) ------------------------------------------
     def begin(self) -> None:
-        """Before the first :meth:`poll`: the published weights version to start from."""
+        """Before the first :meth:`step` or :meth:`poll`: admission and the round start from
+        the first published weights version (> 0 after a resume)."""
         c = self.cfg
         self.admission = Admission(self.weights.latest_version, c.chunks_per_update, c.senders, c.max_staleness)
         self.round, self.current = self.weights.latest_version, None
