@@ -4,7 +4,8 @@ Measures, in one run and with the same ``n_envs`` and camera settings:
 
 1. raw genesis: ``scene.step()`` x substeps + camera render, no policy, no IK;
 2. the env wrapper: ``BatchedEnv.step`` with random actions (adds IK and bookkeeping);
-3. the synchronous trainer: rollout (policy inference) -> learn -> update.
+3. synchronous training (the serial driver: rollout with policy inference -> learn -> update,
+   one after the other, in one thread).
 
 and prints env steps/s for each and their ratios to raw genesis. The gap between 3
 and 1 is what the asynchronous swimlane is meant to hide.
@@ -24,7 +25,7 @@ import torch  # noqa: E402
 
 from dvla.config import apply_overrides  # noqa: E402
 from dvla.presets import genesis_reach  # noqa: E402
-from dvla.trainer import SyncTrainer  # noqa: E402
+from swimlane import Swimlane  # noqa: E402
 
 
 def main() -> None:
@@ -41,9 +42,10 @@ def main() -> None:
         f"env.episode_len={args.episode_len}", f"env.image_size={args.image_size}",
         f"env.render={not args.no_render}", f"run.iterations={args.iterations}",
         "run.progress=false", "run.out_dir=runs/bench_sync_overhead", "policy.action_chunk=1",
+        "swimlane.mode=sync", "swimlane.driver=serial", "swimlane.env_groups=1",
     ])
-    trainer = SyncTrainer(cfg)
-    env = trainer.env
+    trainer = Swimlane(cfg)
+    env = trainer.envs[0]
     decisions = args.episode_len * args.iterations
 
     # 1. raw genesis
@@ -65,7 +67,7 @@ def main() -> None:
         env.step(torch.rand(env.n_envs, 1, env.spec.action_dim, generator=gen) * 2 - 1)
     wrapped = decisions * env.n_envs / (time.perf_counter() - t0)
 
-    # 3. synchronous trainer
+    # 3. synchronous training (serial driver)
     summary = trainer.run()
     sync = summary["env_steps_per_s"]
 
@@ -73,7 +75,7 @@ def main() -> None:
           f"decisions={decisions} torch_threads={torch.get_num_threads()}")
     print(f"raw genesis      {raw:9.1f} env steps/s   ratio 1.000")
     print(f"env wrapper      {wrapped:9.1f} env steps/s   ratio {wrapped / raw:.3f}")
-    print(f"sync trainer     {sync:9.1f} env steps/s   ratio {sync / raw:.3f}")
+    print(f"sync (serial)    {sync:9.1f} env steps/s   ratio {sync / raw:.3f}")
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ class RunConfig:
     """Length of the run, seeding, device and outputs."""
 
     iterations: int = 50
-    """Learner updates (in the synchronous trainer: rollout -> learn -> publish cycles)."""
+    """Learner updates (in sync mode: rollout -> learn -> publish cycles)."""
     seed: int = 0
     """Seed of weights, envs and sampling."""
     device: str = "auto"
@@ -168,8 +168,8 @@ class RunConfig:
     """Base directory of runs. Each ``dvla train`` / ``python -m dvla.launch`` writes to a new
     directory ``out_dir/YYYYmmdd-HHMMSS`` (metrics, config, weights, checkpoints, trace,
     ``summary.json``) and points the symlink ``out_dir/latest`` at it; ``--resume`` continues
-    ``latest`` (or ``out_dir`` itself when it is a run directory). ``Swimlane(cfg)`` and
-    ``SyncTrainer(cfg)`` used from Python write to ``out_dir`` itself."""
+    ``latest`` (or ``out_dir`` itself when it is a run directory). ``Swimlane(cfg)`` used from
+    Python writes to ``out_dir`` itself."""
     name: str = ""
     """Fixed name of the run directory, ``out_dir/name``, instead of a timestamp (for scripts
     and multi-node jobs that need to know it in advance). A new run refuses a name that

@@ -1,9 +1,9 @@
 """Episode collection: run one policy replica on a batched env and record a RolloutBatch.
 
 :class:`EpisodeRecorder` holds the bookkeeping of one batch of episodes (buffers,
-latched ``done``, masks); :func:`collect_episodes` drives it in a plain loop (the
-synchronous trainer), the swimlane's sampling lane drives it step by step with actions
-that come from the inference lane.
+latched ``done``, masks); :func:`collect_episodes` drives it in a plain loop (tests,
+:func:`evaluate`), the swimlane's sampling lane drives it step by step with actions that
+come from the inference lane.
 """
 
 from __future__ import annotations
@@ -159,3 +159,12 @@ def episode_stats(batch: RolloutBatch) -> dict[str, float]:
         "return_mean": float(batch.episode_returns().mean()),
         "episode_len_mean": float(batch.valid.sum(0).float().mean()),
     }
+
+
+def evaluate(env: BatchedEnv, policy: VLAPolicy, episode_len: int, batches: int = 4, group_size: int = 1,
+             generator: torch.Generator | None = None) -> dict[str, float]:
+    """Success rate, mean return and length of ``policy`` over ``batches`` fresh batches of
+    episodes on ``env`` (sampled actions, no learning), averaged."""
+    stats = [episode_stats(collect_episodes(env, policy, episode_len, group_size, generator=generator))
+             for _ in range(batches)]
+    return {k: sum(s[k] for s in stats) / batches for k in stats[0]}

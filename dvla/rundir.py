@@ -6,8 +6,8 @@ to ``{out_dir}/{run.name}`` when a name is given, and points the relative symlin
 ``{out_dir}/latest`` at it (replaced atomically). ``--resume`` and torchrun restarts
 continue the run ``latest`` points to, or ``out_dir`` itself when it already is a run
 directory. ``dvla report`` / ``dvla trace`` without an argument find the newest run under
-``runs/``. ``Swimlane(cfg)`` and ``SyncTrainer(cfg)`` used from Python do none of this:
-they write to ``cfg.run.out_dir`` exactly.
+``runs/``. ``Swimlane(cfg)`` used from Python does none of this: it writes to
+``cfg.run.out_dir`` exactly.
 """
 
 from __future__ import annotations

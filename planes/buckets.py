@@ -19,12 +19,12 @@ class LayoutMismatchError(RuntimeError):
 
 
 @dataclass
-class _Bucket:
+class Bucket:
     flat: Tensor
     names: list[str]
 
 
-def _entries(module: nn.Module) -> list[tuple[str, Tensor]]:
+def named_weights(module: nn.Module) -> list[tuple[str, Tensor]]:
     """Parameters and floating-point buffers, in a deterministic order."""
     out = [(n, p.data) for n, p in module.named_parameters()]
     out += [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
@@ -33,7 +33,7 @@ def _entries(module: nn.Module) -> list[tuple[str, Tensor]]:
 
 def module_weights(module: nn.Module) -> list[Tensor]:
     """The tensors a broadcast carries (parameters, floating buffers), in layout order."""
-    return [t for _, t in _entries(module)]
+    return [t for _, t in named_weights(module)]
 
 
 def _rebind(module: nn.Module, name: str, view: Tensor) -> None:
@@ -59,12 +59,12 @@ def _default_alloc(numel: int, dtype: torch.dtype, device: torch.device, tag: st
 
 
 @torch.no_grad()
-def _layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket_bytes: int,
-                    device: torch.device, alloc: Alloc | None = None, tag: str = "weights") -> list[_Bucket]:
+def layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket_bytes: int,
+                    device: torch.device, alloc: Alloc | None = None, tag: str = "weights") -> list[Bucket]:
     """Allocate flat buckets (at most ``bucket_bytes``, one dtype each) and rebind every
     entry of ``module`` to its view in them."""
     alloc = alloc or _default_alloc
-    buckets: list[_Bucket] = []
+    buckets: list[Bucket] = []
     by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
     for name, t in entries:
         by_dtype.setdefault(t.dtype, []).append((name, t))
@@ -80,7 +80,7 @@ def _layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket
                 for name, t in group:
                     _rebind(module, name, flat[off : off + t.numel()].view_as(t))
                     off += t.numel()
-                buckets.append(_Bucket(flat, [n for n, _ in group]))
+                buckets.append(Bucket(flat, [n for n, _ in group]))
                 group, size = [], 0
             if item is not None:
                 group.append(item)
@@ -92,8 +92,8 @@ def flat_buckets(module: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, al
                  tag: str = "weights") -> list[Tensor]:
     """Lay ``module`` out in flat buckets (see :class:`WeightBroadcaster`) without any
     collective; returns the flat tensors, e.g. for copying whole versions in one pass."""
-    entries = _entries(module)
-    return [b.flat for b in _layout_buckets(module, entries, bucket_bytes, entries[0][1].device, alloc, tag)]
+    entries = named_weights(module)
+    return [b.flat for b in layout_buckets(module, entries, bucket_bytes, entries[0][1].device, alloc, tag)]
 
 
 def layout_checksum(entries: list[tuple[str, Tensor]], bucket_bytes: int) -> int:

@@ -42,18 +42,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from planes.buckets import (  # noqa: F401  (flat_buckets, module_weights: public here too)
+from planes.buckets import (
     DEFAULT_BUCKET_BYTES,
     Alloc,
+    Bucket,
     LayoutMismatchError,
-    _Bucket,
-    _entries,
-    _layout_buckets,
-    flat_buckets,
+    layout_buckets,
     layout_checksum,
-    module_weights,
+    named_weights,
 )
-
 
 SHUTDOWN = -1
 
@@ -131,7 +128,7 @@ class WeightBroadcaster:
         self.traffic: collections.Counter = collections.Counter()
         self.alloc = alloc
         self.bucket_bytes = bucket_bytes
-        entries = _entries(module)
+        entries = named_weights(module)
         if not entries:
             raise ValueError("control plane: the module has no parameters to broadcast")
         self.device = entries[0][1].device
@@ -158,22 +155,22 @@ class WeightBroadcaster:
                 f"bucket size (this rank: {self.checksum:#x})"
             )
 
-    def _build_buckets(self, entries: list[tuple[str, Tensor]]) -> list[_Bucket]:
-        buckets = _layout_buckets(self.module, entries, self.bucket_bytes, self.device, self.alloc, "broadcast")
-        self._ptrs = [t.data_ptr() for _, t in _entries(self.module)]
+    def _build_buckets(self, entries: list[tuple[str, Tensor]]) -> list[Bucket]:
+        buckets = layout_buckets(self.module, entries, self.bucket_bytes, self.device, self.alloc, "broadcast")
+        self._ptrs = [t.data_ptr() for _, t in named_weights(self.module)]
         return buckets
 
     def bind_replica(self, module: nn.Module, tag: str = "replica") -> list[Tensor]:
         """Lay ``module`` (a second copy of the same model, e.g. a standby inference replica)
         out in buckets of this broadcaster's layout and return its flat tensors, so that
         ``receive(into=...)`` writes straight into it. No collective is involved."""
-        entries = _entries(module)
+        entries = named_weights(module)
         if layout_checksum(entries, self.bucket_bytes) != self.checksum:
             raise LayoutMismatchError("control plane: bind_replica() got a module with a different layout")
-        return [b.flat for b in _layout_buckets(module, entries, self.bucket_bytes, self.device, self.alloc, tag)]
+        return [b.flat for b in layout_buckets(module, entries, self.bucket_bytes, self.device, self.alloc, tag)]
 
     def _check_aliasing(self) -> None:
-        if [t.data_ptr() for _, t in _entries(self.module)] != self._ptrs:
+        if [t.data_ptr() for _, t in named_weights(self.module)] != self._ptrs:
             raise RuntimeError(
                 "control plane: the model's parameters no longer live in the broadcast buckets "
                 "(was it moved with .to() or were parameters replaced after the broadcaster was built?)"

@@ -1,6 +1,7 @@
 """What a rank builds before its lanes start: its place in the cluster, its memory pools,
-its weight buffers (double-buffered replicas, snapshot, broadcaster) and its ends of the
-data plane. Functions of the config and the rank; the runner calls them in order."""
+its process groups, its env groups, policy and algorithm, its weight buffers
+(double-buffered replicas, snapshot, broadcaster) and its ends of the data plane.
+Functions of the config and the rank; :class:`swimlane.rank.RankLanes` calls them in order."""
 
 from __future__ import annotations
 
@@ -8,21 +9,45 @@ import copy
 import logging
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from dvla.algos import build_algorithm
 from dvla.config import ConfigError, JobConfig, SwimlaneConfig
+from dvla.distributed import allreduce_mean_grads
+from dvla.envs import env_spec, make_env
+from dvla.policy import PolicySpec, build_policy
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget
-from planes.control import WeightBroadcaster, flat_buckets
-from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender, lookup_endpoints
+from planes.buckets import flat_buckets
+from planes.control import WeightBroadcaster, hierarchical_stages, new_control_group
+from planes.data import (
+    DataPlaneConfig,
+    TrajectoryReceiver,
+    TrajectorySender,
+    lookup_endpoints,
+)
 from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource
 from swimlane.weights import DoubleBufferedWeights
 
 log = logging.getLogger("dvla.swimlane")
+
+
+def check_world(sl: SwimlaneConfig, world: int) -> None:
+    """What the swimlane config asks of the number of processes."""
+    if sl.learner_ranks > world:
+        raise ConfigError(f"swimlane.learner_ranks: {sl.learner_ranks} learner ranks need at least that "
+                          f"many processes, the world has {world}")
+    if not sl.colocate and sl.learner_ranks == world:
+        raise ConfigError("swimlane.colocate: false leaves no rank to run rollouts; add processes or "
+                          "lower swimlane.learner_ranks")
+    if sl.driver == "serial" and world > 1:
+        raise ConfigError(f"swimlane.driver: serial runs one process, the world has {world}; "
+                          f"use swimlane.driver=threads")
 
 
 def place_ranks(sl: SwimlaneConfig, rank: int, world: int) -> tuple[Topology, Placement]:
@@ -77,6 +102,64 @@ def persistent_alloc(memory: MemoryManager | None) -> Callable[..., torch.Tensor
         return memory.persistent.empty((numel,), dtype, tag=tag)
 
     return alloc
+
+
+@dataclass
+class Groups:
+    learner: Any = None  # the learners' gradient all-reduce (None in one process)
+    control: Any = None  # the control plane's broadcast group
+    stages: Any = None  # the hierarchical broadcast's stages (None: flat)
+
+
+def build_groups(sl: SwimlaneConfig, world: int, placement: Placement) -> Groups:
+    """The run's process groups. Every rank creates every group, in the same order."""
+    if world == 1:
+        return Groups()
+    learner = dist.new_group(placement.learners)
+    control = new_control_group()
+    tree, stages = placement.tree, None
+    if sl.hierarchical_broadcast and len(tree.leaders) > 1:
+        stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source)
+    return Groups(learner, control, stages)
+
+
+@dataclass
+class Model:
+    envs: list  # this rank's env groups (none on a learner-only rank)
+    policy: torch.nn.Module
+    algo: Any  # learners only
+    sample_gen: torch.Generator  # actions
+    learn_gen: torch.Generator | None  # minibatches (learners)
+
+
+def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Placement, groups: Groups,
+                memory: MemoryManager | None) -> Model:
+    """Env groups, policy and (on learners) the algorithm, seeded so that every driver and
+    every rank of a role builds the same weights."""
+    seed, sl = cfg.run.seed, cfg.swimlane
+    rollout, learner = rank in placement.rollout, rank in placement.learners
+    torch.manual_seed(seed)
+    envs = []
+    if rollout:
+        envs = [make_env(cfg.env, device, seed=seed + 7919 * rank)]
+        spec_ = envs[0].spec
+    else:  # a learner-only rank needs the spec, not a simulator (where the env can tell)
+        spec_ = env_spec(cfg.env, device, seed=seed + 7919 * rank)
+    spec = PolicySpec.for_env(spec_, cfg.policy.action_chunk)
+    policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
+    if rollout:
+        envs += [make_env(cfg.env, device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, sl.env_groups)]
+    algo = learn_gen = None
+    if learner:
+        sync = partial(allreduce_mean_grads, group=groups.learner) if sl.learner_ranks > 1 else None
+        if memory is not None:  # the learner's weights live in persistent buckets
+            flat_buckets(policy, alloc=persistent_alloc(memory), tag="policy")
+        algo = build_algorithm(cfg.algo, policy, sync)
+        if memory is not None:
+            memory.persistent.adopt_optimizer(algo.optimizer)
+        learn_gen = torch.Generator().manual_seed(seed + 2)
+    sample_gen = torch.Generator(device=device).manual_seed(seed + 104729 * rank + 1)
+    return Model(envs, policy, algo, sample_gen, learn_gen)
 
 
 @dataclass

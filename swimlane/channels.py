@@ -6,8 +6,8 @@ after ``timeout`` seconds; 0 does not wait), ``depth()`` and ``close()``. The me
 small types: :class:`swimlane.lanes.messages.Request` and ``Reply`` between sampling and
 inference, :class:`Chunk` from sampling to the learner. Chunks travel in-process through
 :class:`swimlane.chunks.LocalChunks` or across processes through the data plane
-(``RemoteChunkSink``/``RemoteChunkSource``), which keep the same ``get``/``depth``/``close``
-and add the chunk's metadata and release callback to ``put``. Snapshots of the weights go
+(``RemoteChunkSink``/``RemoteChunkSource``): the same protocol, and a sink also has
+``end(meta)`` (this sender is done). Snapshots of the weights go
 through :class:`swimlane.lanes.publish.SnapshotSlot`, a one-item channel whose newest item
 wins.
 """

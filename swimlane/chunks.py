@@ -4,9 +4,9 @@ A chunk is one env group's batch of episodes (a :class:`RolloutBatch`) plus a li
 metadata (producing rank and group, a per-sender sequence number). In one process it
 goes through a bounded in-process queue; across processes over the ZeroMQ data plane
 (:mod:`planes.data`), where each tensor is a zero-copy frame. Both sides of both paths
-have the same small interface: ``put(batch, meta, stop, on_done)`` and ``get(timeout)``,
-which returns a :class:`swimlane.channels.Chunk` ``(batch, meta, on_done)``. ``on_done`` (optional) is called once the
-chunk's memory is no longer needed: by the learner after its update in one process, by
+are channels of :class:`swimlane.channels.Chunk` ``(batch, meta, on_done)``
+(``put(chunk, stop)``, ``get(timeout)``), and a sink also has ``end(meta)``: this sender
+is done. ``on_done`` (optional) is called once the chunk's memory is no longer needed: by the learner after its update in one process, by
 the data plane once ZeroMQ has sent the frames across processes. The swimlane uses it
 to give rollout buffers back to the transient memory pool.
 """
@@ -17,7 +17,7 @@ import collections
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -69,26 +69,10 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     })
 
 
-class LocalChunks:
+class LocalChunks(LocalChannel[Chunk]):
     """In-process, bounded: ``put`` blocks while the learner is ``capacity`` chunks behind."""
 
-    def __init__(self, capacity: int):
-        self._ch: LocalChannel[Chunk] = LocalChannel(capacity)
-
-    def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event,
-            on_done: Callable[[], None] | None = None) -> bool:
-        return self._ch.put(Chunk(batch, meta, on_done), stop)
-
     def end(self, meta: dict[str, Any]) -> None:
-        pass
-
-    def get(self, timeout: float) -> Chunk | None:
-        return self._ch.get(timeout)
-
-    def depth(self) -> int:
-        return self._ch.depth()
-
-    def close(self) -> None:
         pass
 
 
@@ -98,9 +82,8 @@ class RemoteChunkSink:
     def __init__(self, sender: TrajectorySender):
         self.sender = sender
 
-    def put(self, batch: RolloutBatch, meta: dict[str, Any], stop: threading.Event,
-            on_done: Callable[[], None] | None = None) -> bool:
-        self.sender.send(CHUNK_KIND, batch.to_dict(), meta, on_done=on_done)
+    def put(self, chunk: Chunk, stop: threading.Event | None = None) -> bool:
+        self.sender.send(CHUNK_KIND, chunk.batch.to_dict(), chunk.meta, on_done=chunk.on_done)
         return True
 
     def end(self, meta: dict[str, Any]) -> None:

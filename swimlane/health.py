@@ -47,3 +47,28 @@ def dead_senders(expected: Iterable[str], ended: Iterable[str], dead_peers: Iter
     """Expected senders whose heartbeats stopped before they said they had ended."""
     ended, dead = set(ended), set(dead_peers)
     return [s for s in expected if s in dead and s not in ended]
+
+
+def check_senders(expected: Iterable[str], ended: Iterable[str], dead_peers: Iterable[str], peer_timeout_s: float,
+                  accounting: Callable[[], dict[str, int]]) -> None:
+    """A rollout rank whose heartbeats stopped (crashed, killed, frozen) cannot take part in
+    the next weight broadcast, so the run cannot go on without it: raise, naming it
+    (torchrun then restarts the group, which resumes from the last checkpoint), instead of
+    hanging in a collective."""
+    dead = dead_senders(expected, ended, dead_peers)
+    if dead:
+        raise RuntimeError(
+            f"rollout rank(s) {', '.join(dead)} stopped sending heartbeats for {peer_timeout_s}s "
+            f"(data_plane.peer_timeout_s): crashed or hung. Weights cannot be broadcast without them; "
+            f"stopping this attempt (chunk accounting: {accounting()})")
+
+
+def check_stall(stall: StallTimer, counters: dict[str, int], version: int) -> None:
+    """No usable chunk for ``swimlane.stall_timeout_s``: something is stuck without crashing
+    (a simulator step that never returns, a frozen rank, rollouts whose every chunk is too
+    stale): raise and say so. Dropped chunks are not progress."""
+    if stall.stalled_for() is not None:
+        raise RuntimeError(
+            f"no usable trajectory chunk for {stall.limit_s}s (swimlane.stall_timeout_s): a simulator or rollout "
+            f"rank is stuck, or every chunk arrives too stale; env_steps_sampled={counters['env_steps_sampled']}, "
+            f"dropped_stale={counters['dropped_stale']}, version={version}")

@@ -10,40 +10,33 @@ import logging
 import os
 import threading
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from dvla.algos import build_algorithm
 from dvla.checkpoint import CheckpointManager
-from dvla.config import ConfigError, JobConfig
-from dvla.distributed import allreduce_mean_grads, mean_over_group, resolve_device
-from dvla.envs import env_spec, make_env
+from dvla.config import JobConfig
+from dvla.distributed import mean_over_group, resolve_device
 from dvla.metrics import MetricsLogger
-from dvla.policy import PolicySpec, build_policy
 from dvla.rollout import episode_stats
 from dvla.types import RolloutBatch
-from planes.control import (
-    SHUTDOWN,
-    flat_buckets,
-    hierarchical_stages,
-    module_weights,
-    new_control_group,
-)
+from planes.buckets import module_weights
+from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
 from swimlane.build import (
     build_data_plane,
+    build_groups,
     build_memory,
+    build_model,
     build_weights,
+    check_world,
     persistent_alloc,
     place_ranks,
 )
 from swimlane.channels import LocalChannel
 from swimlane.checkpointing import RunCheckpoints, truncate_metrics
-from swimlane.health import StallTimer, dead_senders
+from swimlane.health import StallTimer, check_senders, check_stall
 from swimlane.lanes import (
     InferenceLane,
     LearnerConfig,
@@ -82,15 +75,7 @@ class RankLanes:
         record written to ``metrics.jsonl`` (for live displays and custom logging)."""
         cfg.validate()
         sl = cfg.swimlane
-        if sl.learner_ranks > world_size:
-            raise ConfigError(f"swimlane.learner_ranks: {sl.learner_ranks} learner ranks need at least that "
-                              f"many processes, the world has {world_size}")
-        if not sl.colocate and sl.learner_ranks == world_size:
-            raise ConfigError("swimlane.colocate: false leaves no rank to run rollouts; add processes or "
-                              "lower swimlane.learner_ranks")
-        if sl.driver == "serial" and world_size > 1:
-            raise ConfigError(f"swimlane.driver: serial runs one process, the world has {world_size}; "
-                              f"use swimlane.driver=threads")
+        check_world(sl, world_size)
         self.cfg, self.rank, self.world_size = cfg, rank, world_size
         self.on_update = on_update
         self.sl = sl
@@ -113,42 +98,10 @@ class RankLanes:
 
         self.memory, self.host_pool = build_memory(cfg, self.device)
 
-        # Same construction order as the synchronous trainer, so seeds give equal weights.
-        seed = cfg.run.seed
-        torch.manual_seed(seed)
-        self.envs = []
-        if self.is_rollout:
-            self.envs = [make_env(cfg.env, self.device, seed=seed + 7919 * rank)]
-            env_spec_ = self.envs[0].spec
-        else:  # a learner-only rank needs the spec, not a simulator (where the env can tell)
-            env_spec_ = env_spec(cfg.env, self.device, seed=seed + 7919 * rank)
-        spec = PolicySpec.for_env(env_spec_, cfg.policy.action_chunk)
-        self.policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(self.device).eval()
-        if self.is_rollout:
-            self.envs += [make_env(cfg.env, self.device, seed=seed + 7919 * rank + 15485863 * g)
-                          for g in range(1, sl.env_groups)]
-
-        # Process groups (every rank must create every group, in the same order).
-        self.learner_group = self.control_group = None
-        self.stages = None
-        if world_size > 1:
-            self.learner_group = dist.new_group(pl.learners)
-            self.control_group = new_control_group()
-            tree = pl.tree
-            if sl.hierarchical_broadcast and len(tree.leaders) > 1:
-                self.stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source)
-
-        if self.is_learner:
-            sync = None
-            if sl.learner_ranks > 1:
-                sync = partial(allreduce_mean_grads, group=self.learner_group)
-            if self.memory is not None:  # the learner's weights live in persistent buckets
-                flat_buckets(self.policy, alloc=persistent_alloc(self.memory), tag="policy")
-            self.algo = build_algorithm(cfg.algo, self.policy, sync)
-            if self.memory is not None:
-                self.memory.persistent.adopt_optimizer(self.algo.optimizer)
-            self.learn_gen = torch.Generator().manual_seed(seed + 2)
-        self.sample_gen = torch.Generator(device=self.device).manual_seed(seed + 104729 * rank + 1)
+        self.groups = build_groups(sl, world_size, pl)
+        model = build_model(cfg, rank, self.device, pl, self.groups, self.memory)
+        self.envs, self.policy, self.algo = model.envs, model.policy, model.algo
+        self.sample_gen, self.learn_gen = model.sample_gen, model.learn_gen
 
         # Checkpoints: learners resume from the newest valid one (``run.resume``, or when
         # torchrun restarted this worker group); rank 0 writes them.
@@ -165,7 +118,7 @@ class RankLanes:
             if cfg.run.resume or self.restarts > 0:
                 self._resume()
 
-        buffers = build_weights(self.policy, rank, world_size, self.control_group, self.stages,
+        buffers = build_weights(self.policy, rank, world_size, self.groups.control, self.groups.stages,
                                 persistent_alloc(self.memory))
         self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
                                                                  buffers.snap_flats, buffers.bc)
@@ -318,31 +271,13 @@ class RankLanes:
         self._check_stall(stall)
 
     def _check_senders(self) -> None:
-        """A rollout rank whose heartbeats stopped (crashed, killed, frozen) cannot take
-        part in the next weight broadcast, so the run cannot go on without it: stop with
-        a report naming it (torchrun then restarts the group, which resumes from the
-        last checkpoint) instead of hanging in a collective."""
-        if self.world_size == 1:
-            return
-        dead = dead_senders(self.expected_senders, self.source.ended, self.source.receiver.dead_peers)
-        if dead:
-            raise RuntimeError(
-                f"rollout rank(s) {', '.join(dead)} stopped sending heartbeats for "
-                f"{self.cfg.data_plane.peer_timeout_s}s (data_plane.peer_timeout_s): crashed or hung. "
-                f"Weights cannot be broadcast without them; stopping this attempt "
-                f"(chunk accounting: {self.chunk_accounting()})")
+        if self.world_size > 1:
+            src = self.source
+            check_senders(self.expected_senders, src.ended, src.receiver.dead_peers,
+                          self.cfg.data_plane.peer_timeout_s, self.chunk_accounting)
 
     def _check_stall(self, stall: StallTimer) -> None:
-        """No usable chunk for ``swimlane.stall_timeout_s``: something is stuck without
-        crashing (a simulator step that never returns, a frozen rank, rollouts whose every
-        chunk is too stale): stop and say so. Dropped chunks are not progress."""
-        limit = self.sl.stall_timeout_s
-        if stall.stalled_for() is not None:
-            raise RuntimeError(
-                f"no usable trajectory chunk for {limit}s (swimlane.stall_timeout_s): a simulator or rollout "
-                f"rank is stuck, or every chunk arrives too stale; env_steps_sampled="
-                f"{self.counters['env_steps_sampled']}, dropped_stale={self.counters['dropped_stale']}, "
-                f"version={self.version}")
+        check_stall(stall, self.counters, self.version)
 
     def _activations(self):
         """On CUDA, the learner's activations go to the transient pool's segments."""
@@ -362,7 +297,7 @@ class RankLanes:
         time_up = float(bool(limit) and time.perf_counter() - self._start_time >= limit)
         stats = {**episode_stats(batch), "env_steps": float(steps_total), "time_up": time_up}
         if self.sl.learner_ranks > 1:  # learners agree on when the time is up
-            stats = mean_over_group(stats, self.learner_group)
+            stats = mean_over_group(stats, self.groups.learner)
         self.time_up = stats.pop("time_up") > 0
         return stats, self.ledger.carried_env_steps + round(stats.pop("env_steps") * self.sl.learner_ranks)
 

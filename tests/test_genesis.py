@@ -11,7 +11,6 @@ from dvla.config import EnvConfig, apply_overrides
 from dvla.envs import env_spec, make_env
 from dvla.metrics import read_metrics
 from dvla.presets import genesis_reach
-from dvla.trainer import SyncTrainer
 from swimlane.runner import Swimlane
 
 pytest.importorskip("genesis")
@@ -132,9 +131,9 @@ def test_sync_training_on_genesis(tmp_path):
     cfg = apply_overrides(
         genesis_reach(),
         ["env.n_envs=4", "algo.group_size=2", "env.episode_len=3", "env.image_size=32", "run.iterations=2",
-         "run.progress=false", f"run.out_dir={tmp_path}"],
+         "run.progress=false", f"run.out_dir={tmp_path}", "swimlane.mode=sync", "swimlane.driver=serial"],
     )
-    summary = SyncTrainer(cfg).run()
+    summary = Swimlane(cfg).run()
     assert summary["version"] == 2 and summary["env_steps"] > 0
     assert (tmp_path / "weights.safetensors").exists()
 

@@ -97,7 +97,7 @@ def _lanes_on_fast_reach(mode="async", groups=2):
     from dvla.config import EnvConfig
     from dvla.envs import make_env
     from dvla.policy import PolicySpec, build_policy
-    from planes.control import flat_buckets
+    from planes.buckets import flat_buckets
     from swimlane.channels import LocalChannel
     from swimlane.chunks import LocalChunks
     from swimlane.lanes import InferenceLane, SamplingConfig, SamplingLane

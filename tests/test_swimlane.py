@@ -1,4 +1,4 @@
-"""The swimlane: sync-mode equivalence with the synchronous trainer, staleness bound,
+"""The swimlane: the serial and threaded drivers' sync-mode equivalence, staleness bound,
 error propagation, stop, double-buffered weights, tracing, and a 3-process run over the
 real planes that learns."""
 
@@ -16,8 +16,8 @@ from dvla.config import ConfigError, apply_overrides
 from dvla.metrics import read_metrics
 from dvla.presets import debug, fast_reach
 from dvla.rollout import collect_episodes
-from dvla.trainer import SyncTrainer
 from swimlane import LaneError, Swimlane, draw_gantt, load_trace, utilization
+from swimlane.channels import Chunk
 from swimlane.chunks import concat
 from swimlane.weights import DoubleBufferedWeights
 
@@ -26,8 +26,9 @@ def cfg_for(tmp_path, *overrides, name="run"):
     return apply_overrides(debug(), [f"run.out_dir={tmp_path / name}", *overrides])
 
 
-# SyncTrainer's (return_mean, loss) per update on this config, measured at a8d96ab, the
-# commit before the lanes became classes: the reference must not drift either.
+# (return_mean, loss) per update on this config, measured with the synchronous trainer at
+# a8d96ab, the commit before the lanes became classes (the serial driver replaced it): the
+# reference must not drift either.
 PINNED = {
     "grpo": [(0.0, 0.0), (0.375, 0.17508791014552116), (0.0, 0.0), (0.0, 0.0)],
     "ppo": [(0.375, 0.027905676513910294), (0.0, 2.1167099475860596e-05), (0.125, 0.005153369158506393),
@@ -37,22 +38,20 @@ PINNED = {
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
 def test_serial_driver_equals_threaded_sync_mode_and_the_synchronous_trainer(tmp_path, algo):
-    """Same seed, max staleness 0, sync mode: the serial driver (every lane in one thread),
-    the threaded driver and SyncTrainer learn bit-identically (weights and metrics), and
-    SyncTrainer still gives the numbers pinned before the lanes were restructured."""
+    """Same seed, max staleness 0, sync mode: the serial driver (every lane in one thread)
+    and the threaded driver learn bit-identically (weights and metrics), and both give the
+    numbers the synchronous trainer gave before the lanes were restructured."""
     ov = ["swimlane.mode=sync", "swimlane.env_groups=1", "swimlane.max_staleness=0", "run.iterations=4",
           f"algo.name={algo}"]
     if algo == "ppo":
         ov.append("policy.options.value_head=true")
-    ref = SyncTrainer(cfg_for(tmp_path, *ov, name="sync"))
-    ref.run()
     runs = {}
     for driver in ("serial", "threads"):
         lanes = Swimlane(cfg_for(tmp_path, *ov, f"swimlane.driver={driver}", name=driver))
         summary = lanes.run()
         assert summary["version"] == 4 and summary["dropped_stale"] == 0
         runs[driver] = lanes
-    a = read_metrics(tmp_path / "sync" / "metrics.jsonl")
+    ref, a = runs["serial"], read_metrics(tmp_path / "serial" / "metrics.jsonl")
     for got, want in zip([(r["return_mean"], r["loss"]) for r in a], PINNED[algo], strict=True):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
     for driver, lanes in runs.items():
@@ -170,7 +169,7 @@ def test_stale_chunks_are_dropped_and_counted(tmp_path):
     env, stop, source, ledger = lanes.envs[0], threading.Event(), LocalChunks(8), Ledger()
     # learner at 0: v0 ok -> 1; v0 stale; v1 ok -> 2; v0 stale; v2 ok -> 3
     for i, v in enumerate([0, 0, 1, 0, 2]):
-        assert source.put(_chunk(lanes.policy, env, v, i * 2), {}, stop)
+        assert source.put(Chunk(_chunk(lanes.policy, env, v, i * 2), {}, None), stop)
     version, seen = [0], []
 
     def finish(update):
@@ -409,14 +408,15 @@ def test_a_stop_does_not_wait_forever_for_a_lane_blocked_in_a_collective(tmp_pat
     monkeypatch.setattr(runner, "_JOIN_S", 0.5)
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=100000"))
     never = threading.Event()
-    real_publish = lanes._publish
+    real_write, writes = lanes.weights.write, []
 
-    def publish_then_block(version):  # the first publish works, the next one never returns
-        if lanes.counters["publishes"]:
+    def write_then_block(version, flats):  # the first publish works, the next one never returns
+        if writes:
             never.wait()
-        real_publish(version)
+        writes.append(version)
+        real_write(version, flats)
 
-    lanes._publish = publish_then_block
+    lanes.weights.write = write_then_block  # as a broadcast whose peer died would block
     threading.Timer(2.0, lanes.request_stop).start()
     t0, result = time.monotonic(), {}
     run = threading.Thread(target=lambda: result.update(lanes.run()), daemon=True)

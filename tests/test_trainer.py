@@ -1,4 +1,5 @@
-"""End-to-end synchronous training, learning on the fast env, and the launch entry points."""
+"""End-to-end synchronous training (the serial driver), learning on the fast env, and the
+launch entry points."""
 
 import json
 import os
@@ -10,13 +11,17 @@ import torch
 from safetensors.torch import load_file
 
 from dvla.config import apply_overrides
+from dvla.envs import make_env
 from dvla.metrics import read_metrics
 from dvla.presets import fast_reach
-from dvla.trainer import SyncTrainer
+from dvla.rollout import evaluate
+from swimlane import Swimlane
+
+SERIAL = ["swimlane.mode=sync", "swimlane.driver=serial"]
 
 
 def test_debug_run_writes_metrics_config_and_weights(debug_cfg, tmp_path):
-    summary = SyncTrainer(debug_cfg).run()
+    summary = Swimlane(apply_overrides(debug_cfg, SERIAL)).run()
     out = tmp_path / "run"
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["iter"] for r in rows] == [0, 1, 2]
@@ -30,22 +35,28 @@ def test_debug_run_writes_metrics_config_and_weights(debug_cfg, tmp_path):
 
 
 def test_ppo_debug_run(debug_cfg):
-    cfg = apply_overrides(debug_cfg, ["algo.name=ppo"])
-    summary = SyncTrainer(cfg).run()
+    cfg = apply_overrides(debug_cfg, ["algo.name=ppo", *SERIAL])
+    summary = Swimlane(cfg).run()
     assert summary["version"] == 3
 
 
 def test_success_rate_rises_on_fast_env(tmp_path):
     """Train briefly on a fixed seed; the success rate of the trained policy must beat
-    that of the initial policy, both measured on fresh episodes."""
+    that of the initial policy, both measured on the same fresh episodes of an env of
+    their own."""
     cfg = apply_overrides(
-        fast_reach(), ["run.iterations=15", "env.image_size=16", "run.progress=false", f"run.out_dir={tmp_path}"]
-    )
+        fast_reach(), ["run.iterations=15", "env.image_size=16", "run.progress=false", f"run.out_dir={tmp_path}",
+                       *SERIAL])
     torch.set_num_threads(2)
-    trainer = SyncTrainer(cfg)
-    before = trainer.evaluate(4)
-    trainer.run()
-    after = trainer.evaluate(4)
+    lanes = Swimlane(cfg)
+    eval_env = make_env(cfg.env, torch.device("cpu"), seed=12345)
+
+    def score():
+        return evaluate(eval_env, lanes.policy, cfg.env.episode_len, 4, generator=torch.Generator().manual_seed(7))
+
+    before = score()
+    lanes.run()
+    after = score()
     assert after["success_rate"] > before["success_rate"] + 0.08, (before, after)
     assert after["return_mean"] > before["return_mean"]
 

@@ -21,7 +21,7 @@ import torch
 
 from dvla.rollout import EpisodeRecorder
 from swimlane.admission import Admission
-from swimlane.channels import Channel
+from swimlane.channels import Channel, Chunk
 from swimlane.health import FailureBudget
 from swimlane.lanes.messages import Reply, Request
 from swimlane.ledger import Ledger
@@ -126,7 +126,7 @@ class SamplingLane:
         on_done = state.lease.release if state.lease is not None else None
         state.recorder = state.lease = None
         with self.tracer.span("sampling", "send"):
-            if self.sink.put(batch, meta, self.stop, on_done):
+            if self.sink.put(Chunk(batch, meta, on_done), self.stop):
                 self.ledger.add("chunks_sent")
 
     def on_reply(self, reply: Reply) -> bool:
@@ -173,9 +173,8 @@ class SamplingLane:
             while not self.stopping() and self.step():
                 pass
         else:
-            round_ = self.round
-            while not self.stopping() and self.sync_round(round_):
-                round_ += 1
+            while not self.stopping():
+                self.poll(block=True)
         if self.sink is not None and not self.halt.is_set():
             self.sink.end({"rank": self.cfg.rank, "chunks": self.ledger["chunks_sent"]})
 
@@ -204,7 +203,7 @@ class SamplingLane:
             self.start_admitted()
         return True
 
-    # -- the serial driver (sync mode, one thread) ------------------------------------------
+    # -- sync mode (the threaded driver blocks in poll, the serial driver does not) ---------
     def begin(self) -> None:
         """Before the first :meth:`step` or :meth:`poll`: admission and the round start from
         the first published weights version (> 0 after a resume)."""
@@ -212,17 +211,22 @@ class SamplingLane:
         self.admission = Admission(self.weights.latest_version, c.chunks_per_update, c.senders, c.max_staleness)
         self.round, self.current = self.weights.latest_version, None
 
-    def poll(self) -> bool:
-        """Sync mode without blocking: start the round's next group once the weights of the
-        round are published, or advance the active group by one reply. True if it did
-        anything."""
+    def poll(self, block: bool = False) -> bool:
+        """Sync mode: the groups run one after the other, each round on the weights learned
+        from the one before. Start the round's next group once the round's weights are
+        published, or advance the active group by one reply. ``block``: wait for either
+        (until the lane stops). True if it did anything."""
         if self.current is None:
             if self.weights.latest_version < self.round:
-                return False  # barrier: the weights learned from the last round
+                if not block:
+                    return False
+                with self.tracer.span("sampling", "wait"):  # barrier: the weights of this round
+                    if not self.weights.wait_for(self.round, self.stop):
+                        return False
             self.current = 0
             self.start(0)
             return True
-        reply = self.replies.get(0.0)
+        reply = self.next_reply() if block else self.replies.get(0.0)
         if reply is None:
             return False
         if self.on_reply(reply):
@@ -231,17 +235,4 @@ class SamplingLane:
                 self.current, self.round = None, self.round + 1
             else:
                 self.start(self.current)
-        return True
-
-    def sync_round(self, round_: int) -> bool:
-        """Sync: every group samples one batch of episodes on the weights of ``round_``."""
-        with self.tracer.span("sampling", "wait"):  # barrier: the weights learned from the last round
-            if not self.weights.wait_for(round_, self.stop):
-                return False
-        for g in range(len(self.envs)):
-            self.start(g)
-            while (reply := self.next_reply()) is not None and not self.on_reply(reply):
-                pass
-            if reply is None:
-                return False
         return True
