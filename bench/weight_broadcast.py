@@ -54,7 +54,7 @@ def _worker(rank, world, port, args, out):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                             init_method=f"tcp://127.0.0.1:{port}")
-    group = new_control_group()
+    group = new_control_group(device=device)
     model = _model(args.mb, args.layers, device)
     bc = WeightBroadcaster(model, src=0, group=group, bucket_bytes=int(args.bucket_mb * 1e6))
     flat = torch.empty(bc.nbytes // 4, device=device)

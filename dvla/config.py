@@ -252,6 +252,9 @@ class SwimlaneConfig:
     """A simulator exception in an env group drops that group's batch of episodes and
     resets the group (counted as ``env_errors``); this many failures of one group in a
     row stop the run."""
+    max_bad_updates: int = 3
+    """An update whose loss or gradient is not finite has its optimizer steps skipped
+    (counted as ``updates_non_finite``); this many in a row stop the run with a report."""
     stall_timeout_s: float = 600.0
     """The learner stops the run with a report when no trajectory chunk has arrived for
     this long (a simulator or rollout rank stuck without crashing); 0 disables. Leave
@@ -272,7 +275,7 @@ class SwimlaneConfig:
     def _validate(self) -> list[tuple[str, str]]:
         errs = [(n, f"must be >= 1, got {getattr(self, n)}")
                 for n in ("env_groups", "learner_ranks", "chunks_per_update", "broadcast_every", "queue_size",
-                          "max_env_failures")
+                          "max_env_failures", "max_bad_updates")
                 if getattr(self, n) < 1]
         if self.stall_timeout_s < 0:
             errs.append(("stall_timeout_s", f"must be >= 0, got {self.stall_timeout_s}"))

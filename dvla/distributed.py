@@ -11,23 +11,59 @@ finish their decrefs, and no rank tears down while another is still mid-collecti
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from planes.addresses import interface_of, is_loopback, route_to
 
-def init_from_env(timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the process group that torchrun describes in the environment.
+log = logging.getLogger("dvla")
+
+
+def select_interfaces(environ=os.environ) -> str | None:
+    """Point gloo and NCCL at the network that reaches the rendezvous host: without
+    ``GLOO_SOCKET_IFNAME`` gloo binds the address this host's *name* resolves to, which on
+    a cluster is often another network (or nothing routable). Sets ``GLOO_SOCKET_IFNAME``
+    and ``NCCL_SOCKET_IFNAME`` to the interface on the route to ``MASTER_ADDR``, unless
+    they are set already or ``MASTER_ADDR`` is loopback (one host). Returns the interface
+    chosen, or None."""
+    master = environ.get("MASTER_ADDR")
+    if not master or is_loopback(master):
+        return None
+    try:
+        ifname = interface_of(route_to(master))
+    except OSError as exc:
+        log.warning("no route to MASTER_ADDR=%s (%s): GLOO_SOCKET_IFNAME left unset", master, exc)
+        return None
+    if ifname is None or ifname == "lo":
+        return None
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        environ.setdefault(var, ifname)
+    return ifname
+
+
+def default_backend(device: str) -> str:
+    """The default group's backend for a run on ``device`` (``run.device``): on CUDA both
+    NCCL (CUDA tensors) and gloo (CPU tensors: metrics, flags), else gloo alone."""
+    cuda = device in ("auto", "cuda") or device.startswith("cuda:")
+    return "cpu:gloo,cuda:nccl" if cuda and torch.cuda.is_available() else "gloo"
+
+
+def init_from_env(timeout_s: float = 600.0, device: str = "auto") -> tuple[int, int]:
+    """Join the process group that torchrun describes in the environment, with the
+    backend of ``device`` (the run's ``run.device``: :func:`default_backend`).
 
     Returns ``(rank, world_size)``; ``(0, 1)`` without touching torch.distributed when the
     environment names no group (a plain ``python -m dvla.launch``).
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    select_interfaces()
+    backend = default_backend(device)
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":

@@ -238,7 +238,7 @@ def train(args, cfg) -> int:
     setup_logging(int(os.environ.get("RANK", "0") or 0), args.verbose)
     from swimlane import Swimlane
 
-    rank, world = init_from_env()
+    rank, world = init_from_env(device=cfg.run.device)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     stopped: list[bool] = []
     run_dir = previous = None

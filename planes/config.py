@@ -23,8 +23,14 @@ class DataPlaneConfig:
 
     transport: Literal["auto", "ipc", "tcp"] = "auto"
     """``auto`` (ipc on the same host, tcp across hosts), ``ipc`` or ``tcp``."""
-    bind_host: str = "127.0.0.1"
-    """Interface the receiver's tcp endpoint binds to; loopback unless configured."""
+    bind_host: str = "auto"
+    """Where a learner's tcp endpoint binds: ``auto`` (loopback when every rank is on one
+    host, else this host's address on the route to the rendezvous host, ``MASTER_ADDR``),
+    an interface name (``eth0``), an IPv4 address, or ``0.0.0.0`` (every interface)."""
+    advertise_host: str = "auto"
+    """The address rollout ranks are told to dial (an IPv4 address or an interface name):
+    ``auto`` is the bound address, or with ``bind_host=0.0.0.0`` the routed one. A loopback
+    address told to ranks on other hosts is an error."""
     send_hwm: int = 8
     """Messages a sender may have queued before ``send`` blocks."""
     recv_hwm: int = 8

@@ -55,11 +55,17 @@ from planes.buckets import (
 SHUTDOWN = -1
 
 
-def new_control_group(ranks: list[int] | None = None) -> dist.ProcessGroup:
-    """A process group for weight traffic only: NCCL when CUDA is available, else gloo.
-    Must be called by every rank of the default group (a torch.distributed rule)."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    return dist.new_group(ranks if ranks is not None else list(range(dist.get_world_size())), backend=backend)
+def backend_for(device: torch.device | str) -> str:
+    """The collective backend for tensors on ``device``: NCCL for CUDA, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def new_control_group(ranks: list[int] | None = None, device: torch.device | str = "cpu") -> dist.ProcessGroup:
+    """A process group for weight traffic only, with the backend of the weights' device
+    (:func:`backend_for`). Must be called by every rank of the default group (a
+    torch.distributed rule)."""
+    return dist.new_group(ranks if ranks is not None else list(range(dist.get_world_size())),
+                          backend=backend_for(device))
 
 
 @dataclass
@@ -86,7 +92,7 @@ def hierarchical_stages(leaders: list[int], local_groups: list[list[int]], src: 
         raise ValueError(f"control plane: the source rank {src} must lead its host (leaders {leaders})")
     if len(leaders) != len(local_groups) or any(ld not in g for ld, g in zip(leaders, local_groups)):
         raise ValueError(f"control plane: leaders {leaders} do not match the host groups {local_groups}")
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or backend_for("cpu")
     me = dist.get_rank()
     inter = dist.new_group(leaders, backend=backend) if len(leaders) > 1 else None
     local = [dist.new_group(g, backend=backend) if len(g) > 1 else None for g in local_groups]

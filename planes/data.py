@@ -12,8 +12,8 @@ slow learner never mistakes a blocked sender for a dead one. A sender is declare
 when nothing has been heard from it for ``peer_timeout_s``.
 
 Addresses are not configured by hand: the receiver binds an ``ipc://`` endpoint (same
-host) and a ``tcp://`` endpoint (loopback unless ``bind_host`` says otherwise, random
-port) and publishes both, with its host name, in the torch.distributed store that
+host) and a ``tcp://`` endpoint (random port; loopback on one host, the address that
+routes to the rendezvous host across hosts: :mod:`planes.addresses`) and publishes both, with its host name, in the torch.distributed store that
 torchrun already runs. A sender on the same host uses ipc, others tcp.
 
 Who reads the data socket: the consumer's own thread while it waits in ``get`` (no hand-off

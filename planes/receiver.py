@@ -16,6 +16,7 @@ import numpy
 import zmq
 from torch import Tensor
 
+from planes.addresses import endpoint_hosts
 from planes.config import DataPlaneConfig, check
 from planes.serial import (
     MessageError,
@@ -46,9 +47,14 @@ class TrajectoryReceiver:
     heartbeats and tracks liveness throughout."""
 
     def __init__(self, cfg: DataPlaneConfig | None = None, *, store=None, key: str = "dvla/data/0",
-                 ctx: zmq.Context | None = None):
+                 ctx: zmq.Context | None = None, peers_elsewhere: bool = False, rendezvous: str | None = None):
+        """``peers_elsewhere``: senders on other hosts will dial the tcp endpoint;
+        ``rendezvous``: the host every rank reaches (``MASTER_ADDR``). With them,
+        ``cfg.bind_host``/``advertise_host`` resolve (:func:`planes.addresses.endpoint_hosts`)."""
         self.cfg = cfg or DataPlaneConfig()
         check(self.cfg)
+        self.bind_host, self.advertise_host = endpoint_hosts(self.cfg.bind_host, self.cfg.advertise_host,
+                                                             peers_elsewhere=peers_elsewhere, rendezvous=rendezvous)
         if self.cfg.keep_receive_buffers:
             keep_freed_memory_for_reuse()
         self.ctx = ctx or zmq.Context.instance()
@@ -114,8 +120,8 @@ class TrajectoryReceiver:
             self.endpoints[prefix + "ipc"] = f"ipc://{path}"
             self._ipc_paths.append(path)
         if self.cfg.transport in ("auto", "tcp"):
-            port = sock.bind_to_random_port(f"tcp://{self.cfg.bind_host}")
-            self.endpoints[prefix + "tcp"] = f"tcp://{self.cfg.bind_host}:{port}"
+            port = sock.bind_to_random_port(f"tcp://{self.bind_host}")
+            self.endpoints[prefix + "tcp"] = f"tcp://{self.advertise_host}:{port}"
         return sock
 
     # -- background thread ---------------------------------------------------------------

@@ -23,8 +23,9 @@ from dvla.policy import PolicySpec, build_policy
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget
+from planes.addresses import AddressError
 from planes.buckets import flat_buckets
-from planes.control import WeightBroadcaster, hierarchical_stages, new_control_group
+from planes.control import WeightBroadcaster, backend_for, hierarchical_stages, new_control_group
 from planes.data import (
     DataPlaneConfig,
     TrajectoryReceiver,
@@ -111,15 +112,17 @@ class Groups:
     stages: Any = None  # the hierarchical broadcast's stages (None: flat)
 
 
-def build_groups(sl: SwimlaneConfig, world: int, placement: Placement) -> Groups:
-    """The run's process groups. Every rank creates every group, in the same order."""
+def build_groups(sl: SwimlaneConfig, world: int, placement: Placement, device: torch.device) -> Groups:
+    """The run's process groups. Every rank creates every group, in the same order. Weight
+    traffic uses the backend of the run's device (NCCL on CUDA, gloo on the CPU); the
+    learners' group takes the default group's (on CUDA both: CPU tensors go over gloo)."""
     if world == 1:
         return Groups()
     learner = dist.new_group(placement.learners)
-    control = new_control_group()
+    control = new_control_group(device=device)
     tree, stages = placement.tree, None
     if sl.hierarchical_broadcast and len(tree.leaders) > 1:
-        stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source)
+        stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source, backend=backend_for(device))
     return Groups(learner, control, stages)
 
 
@@ -189,10 +192,12 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc) -
     return WeightBuffers(DoubleBufferedWeights(replicas, flats), None, None, bc)
 
 
-def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: int, placement: Placement):
+def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: int, placement: Placement,
+                     topology: Topology):
     """``(source, sink, expected_senders)``: a local queue in one process; otherwise every
-    learner rank binds a receiver and each rollout rank sends to the learner (and over the
-    transport) its placement says."""
+    learner rank binds a receiver (its tcp endpoint where its senders on other hosts can
+    reach it) and each rollout rank sends to the learner (and over the transport) its
+    placement says."""
     if world == 1:
         chunks = LocalChunks(sl.queue_size)
         return chunks, chunks, []
@@ -201,8 +206,15 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
     expected: list[str] = []
     if rank in placement.learners:
         dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": sl.queue_size})
-        source = RemoteChunkSource(TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{rank}"))
-        expected = [f"rank{r}" for r in placement.senders_of(rank)]
+        senders = placement.senders_of(rank)
+        elsewhere = any(topology.host_of(r) != topology.host_of(rank) for r in senders)
+        try:
+            receiver = TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{rank}", peers_elsewhere=elsewhere,
+                                          rendezvous=os.environ.get("MASTER_ADDR"))
+        except AddressError as exc:
+            raise ConfigError(str(exc)) from None
+        source = RemoteChunkSource(receiver)
+        expected = [f"rank{r}" for r in senders]
     if rank in placement.rollout:
         endpoints = lookup_endpoints(store, key=f"dvla/data/{placement.routes[rank]}")
         dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": placement.transports[rank]})

@@ -16,6 +16,13 @@ COUNTERS: dict[str, str] = {
     "env_steps_sampled": "gradient",
     "chunks_consumed": "gradient",
     "dropped_stale": "gradient",
+    # Chunks the learner refused (swimlane.validate.REASONS), and updates whose loss or
+    # gradient was not finite (their optimizer steps skipped).
+    "rejected_shape": "gradient",
+    "rejected_instruction_ids": "gradient",
+    "rejected_non_finite": "gradient",
+    "rejected_version": "gradient",
+    "updates_non_finite": "gradient",
     "publish_skipped_busy": "gradient",
     # The gradient lane while it runs (a collection cut short), then the supervisor's drain
     # once it has ended: never both at once.
@@ -52,6 +59,10 @@ class Ledger:
         return {k: v + self.carried.get(k, 0) for k, v in self.counts.items()}
 
 
+def rejected_by_learner(counts: Mapping[str, int]) -> int:
+    return sum(v for k, v in counts.items() if k.startswith("rejected_"))
+
+
 def chunk_accounting(counts: Mapping[str, int], *, local: bool, invalid: int = 0,
                      ended: Mapping[str, int] | None = None, reported: Mapping[str, int] | None = None,
                      received: Mapping[str, int] | None = None, dead: Iterable[str] = (),
@@ -59,11 +70,13 @@ def chunk_accounting(counts: Mapping[str, int], *, local: bool, invalid: int = 0
     """Where every chunk sent to a learner went. ``sent`` (in one process, this rank's own
     count; else what each sender reported: its end-of-run total, or heartbeats and
     sequence numbers for one that died) is the sum of ``received`` (consumed, dropped
-    stale, rejected as invalid, discarded after the run), ``lost_dead_peer`` (sent by a
+    stale, rejected as invalid by the data plane or by the learner's checks, discarded
+    after the run), ``lost_dead_peer`` (sent by a
     sender that died, never arrived) and ``in_flight_at_exit`` (a live sender's chunks not
     yet arrived when the run stopped); ``unaccounted`` must be 0."""
     acc: dict[str, Any] = {"consumed": counts["chunks_consumed"], "dropped_stale": counts["dropped_stale"],
-                           "rejected_invalid": 0, "discarded_after_run": counts["discarded_after_run"],
+                           "rejected_invalid": 0, "rejected_by_learner": rejected_by_learner(counts),
+                           "discarded_after_run": counts["discarded_after_run"],
                            "lost_dead_peer": 0, "in_flight_at_exit": 0}
     if local:
         acc["sent"] = counts["chunks_sent"]
@@ -77,6 +90,7 @@ def chunk_accounting(counts: Mapping[str, int], *, local: bool, invalid: int = 0
             acc["sent"] += sent
             missing = sent - received.get(sender, 0)
             acc["lost_dead_peer" if sender in dead else "in_flight_at_exit"] += missing
-    acc["received"] = sum(acc[k] for k in ("consumed", "dropped_stale", "rejected_invalid", "discarded_after_run"))
+    acc["received"] = sum(acc[k] for k in ("consumed", "dropped_stale", "rejected_invalid", "rejected_by_learner",
+                                           "discarded_after_run"))
     acc["unaccounted"] = acc["sent"] - acc["received"] - acc["lost_dead_peer"] - acc["in_flight_at_exit"]
     return acc

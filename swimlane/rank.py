@@ -52,6 +52,7 @@ from swimlane.lanes import (
 )
 from swimlane.ledger import Ledger, chunk_accounting
 from swimlane.trace import Tracer
+from swimlane.validate import ChunkSpec
 
 log = logging.getLogger("dvla.swimlane")
 _POLL_S = 0.05
@@ -98,7 +99,7 @@ class RankLanes:
 
         self.memory, self.host_pool = build_memory(cfg, self.device)
 
-        self.groups = build_groups(sl, world_size, pl)
+        self.groups = build_groups(sl, world_size, pl, self.device)
         model = build_model(cfg, rank, self.device, pl, self.groups, self.memory)
         self.envs, self.policy, self.algo = model.envs, model.policy, model.algo
         self.sample_gen, self.learn_gen = model.sample_gen, model.learn_gen
@@ -125,7 +126,7 @@ class RankLanes:
         if self.memory is not None:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(
-            sl, data_plane or cfg.data_plane, rank, world_size, self.placement)
+            sl, data_plane or cfg.data_plane, rank, world_size, self.placement, self.topology)
 
         # Lane state.
         self._requests: LocalChannel[Request] = LocalChannel()  # sampling -> inference
@@ -230,7 +231,8 @@ class RankLanes:
             source=self.source, algo=self.algo, generator=self.learn_gen, ledger=self.ledger, tracer=self.tracer,
             cfg=LearnerConfig(need=self._chunks_per_update(), max_staleness=self.sl.max_staleness,
                               iterations=self.iterations, stop_rollouts_before_last=self.sl.mode == "async",
-                              poll_s=_POLL_S),
+                              spec=ChunkSpec.for_policy(self.policy, self.cfg.env.n_envs, self.cfg.env.episode_len),
+                              max_bad_updates=self.sl.max_bad_updates, poll_s=_POLL_S),
             version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
             stop_rollouts=self.rollout_stop.set, activations=self._activations)
@@ -314,7 +316,12 @@ class RankLanes:
 
     @torch.no_grad()
     def _take_snapshot(self) -> None:
+        """Copy the learner's weights for the publish lane; weights that are not finite are
+        never published (the run stops instead)."""
         torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))
+        if not bool(torch.stack([torch.isfinite(f).all() for f in self.snap_flats]).all()):
+            raise RuntimeError(f"the weights of version {self.version} hold NaN or inf: not published, stopping "
+                               f"(counters: {self.counters})")
 
     # -- broadcast lane --------------------------------------------------------------------
 

@@ -39,3 +39,12 @@ def every_dtype_tensors() -> dict[str, torch.Tensor]:
     out["scalar"] = torch.tensor(3.5)
     out["strided"] = torch.arange(12.0).view(3, 4).t()  # non-contiguous
     return out
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair (``tests/netns.py``), removed after the
+    test; a skip where they cannot be made (a failure under ``DVLA_REQUIRE_NETNS=1``)."""
+    from netns import require_two_hosts
+
+    yield from require_two_hosts()

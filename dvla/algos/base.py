@@ -157,8 +157,10 @@ class Algorithm(ABC):
             return
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_sync(self.params)
-        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        self.optimizer.step()
+        if bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))):
+            self.optimizer.step()  # skipped with the other ranks when their averaged gradient is not finite
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _step(self, mb: dict[str, Tensor]) -> dict[str, float]:
         obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
@@ -182,9 +184,15 @@ class Algorithm(ABC):
         if self.grad_sync is not None:
             self.grad_sync(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
-        self.optimizer.step()
+        # A NaN or inf loss or gradient must not reach the weights: skip the step. After the
+        # all-reduce every learner sees the same norm, so all of them skip it together.
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         stats = {"loss": loss.item(), "policy_loss": pl.item(), "entropy": entropy.item(),
-                 "grad_norm": float(grad_norm)}
+                 "grad_norm": float(grad_norm), "non_finite_steps": float(not finite)}
         stats.update({k: float(v) for k, v in pstats.items()})
         stats.update({k: float(v) for k, v in estats.items()})
         return stats

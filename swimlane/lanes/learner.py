@@ -1,13 +1,18 @@
-"""The learner (gradient) lane: collects chunks, drops those too stale to learn from,
-learns from each full set, and hands the result to the run (metrics, checkpoints,
-snapshots for the publish lane) through ``finish_update``.
+"""The learner (gradient) lane: collects chunks, rejects those that fail the job's checks
+(:mod:`swimlane.validate`), drops those too stale to learn from, learns from each full
+set, and hands the result to the run (metrics, checkpoints, snapshots for the publish
+lane) through ``finish_update``.
 
-Dropped chunks are not progress: the stall timer only counts chunks the learner can use.
+Rejected and dropped chunks are not progress: the stall timer only counts chunks the
+learner can use. An update whose loss or gradient is not finite has its optimizer steps
+skipped (the algorithm's ``non_finite_steps``) and is counted; ``max_bad_updates`` of
+them in a row stop the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -20,6 +25,9 @@ from swimlane.chunks import concat
 from swimlane.health import StallTimer
 from swimlane.ledger import Ledger
 from swimlane.trace import Tracer
+from swimlane.validate import ChunkSpec, check_chunk
+
+log = logging.getLogger("dvla.swimlane")
 
 
 def env_steps(batch: RolloutBatch) -> int:
@@ -33,6 +41,8 @@ class LearnerConfig:
     max_staleness: int
     iterations: int
     stop_rollouts_before_last: bool  # async: nobody consumes what is sampled after the last update's data
+    spec: ChunkSpec | None = None  # what a legal chunk looks like (None: no checks)
+    max_bad_updates: int = 3  # non-finite updates in a row that stop the run
     poll_s: float = 0.05
 
 
@@ -62,11 +72,30 @@ class LearnerLane:
         self.check_health, self.stall, self.idle = check_health, stall, idle
         self.stop_rollouts, self.activations = stop_rollouts, activations
         self.consumed_steps = 0
+        self.bad_in_a_row = 0
         self._pending: tuple[list[RolloutBatch], list[Any]] = ([], [])  # poll(): chunks so far
         self.done = False  # poll(): the last update is made
 
+    def reject(self, item) -> bool:
+        """Refuse (counted, logged) a chunk that fails the job's checks."""
+        batch, meta, on_done = item
+        bad = check_chunk(batch, self.cfg.spec, self.version()) if self.cfg.spec is not None else None
+        if bad is None:
+            return False
+        reason, detail = bad
+        self.ledger.add(f"rejected_{reason}")
+        n = self.ledger[f"rejected_{reason}"]
+        if n <= 5 or n % 100 == 0:
+            log.error("rejected a chunk from rank %.20r (%s, %d so far): %s", meta.get("rank"), reason, n, detail)
+        if on_done is not None:
+            on_done()
+        return True
+
     def accept(self, item, chunks: list[RolloutBatch], releases: list[Any]) -> None:
-        """Keep a received chunk, or drop it (counted) when it is too stale."""
+        """Keep a received chunk, or refuse it (counted) when it fails the checks or is too
+        stale."""
+        if self.reject(item):
+            return
         batch, _meta, on_done = item
         steps = env_steps(batch)
         self.ledger.add("env_steps_sampled", steps)
@@ -130,6 +159,7 @@ class LearnerLane:
         t0 = time.perf_counter()
         with self.tracer.span("gradient", "learn"), self.activations():
             learn = self.algo.update(batch, self.generator, learner_version=self.version())
+        self.check_finite(learn)
         update = Update(batch=batch, learn=learn, learn_s=time.perf_counter() - t0, env_steps=self.consumed_steps)
         del chunks, batch
         try:
@@ -140,6 +170,23 @@ class LearnerLane:
                 if release is not None:
                     release()
         return not last
+
+    def check_finite(self, learn: dict[str, float]) -> None:
+        """Count an update whose optimizer steps were skipped for a non-finite loss or
+        gradient; stop the run after ``max_bad_updates`` of them in a row."""
+        if not learn.get("non_finite_steps", 0.0):
+            self.bad_in_a_row = 0
+            return
+        self.ledger.add("updates_non_finite")
+        self.bad_in_a_row += 1
+        log.error("update at version %d: non-finite loss or gradient in %.0f%% of its steps (skipped), %d in a row",
+                  self.version(), 100 * learn["non_finite_steps"], self.bad_in_a_row)
+        if self.bad_in_a_row >= self.cfg.max_bad_updates:
+            raise RuntimeError(
+                f"{self.bad_in_a_row} updates in a row had a non-finite loss or gradient (swimlane.max_bad_updates="
+                f"{self.cfg.max_bad_updates}); their steps were skipped and the weights are unchanged since version "
+                f"{self.version() - self.bad_in_a_row}. Check the reward scale, the learning rate and the chunks "
+                f"(counters: {self.ledger.counts})")
 
     def run(self, stop: threading.Event) -> None:
         while self.version() < self.cfg.iterations and not stop.is_set() and self.step(stop):

@@ -1,0 +1,84 @@
+"""What the learner checks of every chunk before it learns from it.
+
+A chunk comes from another process (or host): a bug, a broken simulator or a hostile peer
+can send one that decodes fine (:func:`swimlane.chunks.batch_from_tensors` checks names,
+dtypes and leading dims) and still crashes the learner or poisons its weights: a proprio
+of the wrong width, an instruction id past the vocabulary, a NaN reward, a version newer
+than the learner's (a negative lag turns ``algo.proximal=loglinear`` into NaN). Each is
+rejected with a reason (:data:`REASONS`), counted, and never reaches the update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dvla.types import RolloutBatch
+
+REASONS = ("shape", "instruction_ids", "non_finite", "version")
+"""Why a chunk was rejected; the ledger counts ``rejected_<reason>``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkSpec:
+    """The shapes and ranges of a legal chunk, from the job (env, policy, episode length)."""
+
+    image_shape: tuple[int, int, int]  # (C, H, W)
+    proprio_dim: int
+    action_dim: int
+    action_chunk: int
+    n_envs: int  # episodes per chunk
+    max_steps: int  # decisions per episode, at most
+    vocab_size: int | None = None  # instruction ids lie in [0, vocab_size)
+
+    @classmethod
+    def for_policy(cls, policy, n_envs: int, episode_len: int) -> ChunkSpec:
+        s = policy.spec
+        return cls(image_shape=tuple(s.image_shape), proprio_dim=s.proprio_dim, action_dim=s.action_dim,
+                   action_chunk=s.action_chunk, n_envs=n_envs, max_steps=episode_len,
+                   vocab_size=getattr(policy.tokenizer, "vocab_size", None))
+
+    def shapes(self, t: int, max_tokens: int) -> dict[str, tuple[int, ...]]:
+        b = self.n_envs
+        return {"image": (t, b, *self.image_shape), "proprio": (t, b, self.proprio_dim),
+                "actions": (t, b, self.action_chunk, self.action_dim), "log_probs": (t, b), "values": (t + 1, b),
+                "rewards": (t, b), "terminated": (t, b), "truncated": (t, b), "valid": (t, b),
+                "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens)}
+
+    def largest_chunk_bytes(self, max_tokens: int = 64) -> int:
+        """Bytes of the largest legal chunk's tensors (the data plane's size bound)."""
+        sizes = {"image": 1, "instruction_ids": 8, "policy_version": 8, "group_ids": 8, "terminated": 1,
+                 "truncated": 1, "valid": 1, "success": 1}
+        total = 0
+        for name, shape in self.shapes(self.max_steps, max_tokens).items():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * sizes.get(name, 4)
+        return total
+
+
+def check_chunk(batch: RolloutBatch, spec: ChunkSpec, learner_version: int) -> tuple[str, str] | None:
+    """``(reason, detail)`` when ``batch`` must not be learned from, else None."""
+    t = batch.rewards.shape[0] if batch.rewards.dim() == 2 else -1
+    if not 1 <= t <= spec.max_steps:
+        return "shape", f"{t} steps, expected 1 to {spec.max_steps}"
+    ids = batch.instruction_ids
+    want = spec.shapes(t, ids.shape[1] if ids.dim() == 2 else -1)
+    for name, shape in want.items():
+        got = tuple(getattr(batch, name).shape)
+        if got != shape:
+            return "shape", f"{name} has shape {got}, expected {shape}"
+    if ids.numel() and (int(ids.min()) < 0 or (spec.vocab_size is not None and int(ids.max()) >= spec.vocab_size)):
+        return "instruction_ids", (f"ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is "
+                                   f"[0, {spec.vocab_size})")
+    for name in ("rewards", "log_probs", "values", "proprio", "actions"):
+        if not bool(torch.isfinite(getattr(batch, name)).all()):
+            return "non_finite", f"{name} holds NaN or inf"
+    if batch.valid.any():
+        versions = batch.policy_version[batch.valid]
+        lo, hi = int(versions.min()), int(versions.max())
+        if lo < 0 or hi > learner_version:
+            return "version", f"policy versions {lo}..{hi}, the learner is at {learner_version}"
+    return None

@@ -1,0 +1,157 @@
+"""Two hosts with separate network stacks (network namespaces joined by a veth pair,
+``tests/netns.py``, the ``two_hosts`` fixture): one ``torchrun --nnodes=2`` per host, c10d rendezvous on host a's
+address. Chunks must cross the link over tcp to an address the learner advertised (not
+loopback), weights must cross it down the hierarchical broadcast, the run must learn, and
+the veth's byte counters must show the traffic; killed, one host's ranks restart and the
+job resumes on both. Every process runs inside a namespace the
+test made, so no packet can go anywhere else."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dvla.metrics import read_metrics
+
+
+def torchrun(host, hosts, port: int, out, *overrides: str, extra: tuple[str, ...] = ()) -> list[str]:
+    rdzv = hosts.hosts[0].address
+    return host.command([
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
+        f"--rdzv_endpoint={rdzv}:{port}", "--rdzv_id=dvla-two-hosts", f"--local_addr={host.address}", *extra,
+        "-m", "dvla.launch", "--preset", "fast_reach", "env.image_size=16", "env.n_envs=32",
+        "swimlane.env_groups=1", "swimlane.chunks_per_update=2", "run.progress=false", "run.torch_threads=1",
+        f"run.out_dir={out.parent}", f"run.name={out.name}", *overrides])
+
+
+def run_both(cmds: list[list[str]], cwd, timeout: float = 300) -> list[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.getcwd()}
+    env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
+    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for c in cmds]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(log[-6000:] for log in logs)
+    return logs
+
+
+def test_two_hosts_train_over_a_real_link(two_hosts, tmp_path):
+    a, b = two_hosts.hosts
+    out = tmp_path / "two_hosts"
+    before = {h.netns: h.link_bytes() for h in two_hosts.hosts}
+    port = random.randrange(20000, 30000)
+    run_both([torchrun(h, two_hosts, port, out, "run.iterations=30") for h in two_hosts.hosts], tmp_path)
+    after = {h.netns: h.link_bytes() for h in two_hosts.hosts}
+
+    s = {0: json.loads((out / "summary.json").read_text())}
+    for r in (1, 2, 3):
+        s[r] = json.loads((out / f"summary_rank{r}.json").read_text())
+    hosts = {r: s[r]["host"] for r in s}
+    assert set(hosts.values()) == {a.hostname, b.hostname} and hosts[0] == hosts[1] != hosts[2] == hosts[3]
+    home = a if hosts[0] == a.hostname else b  # the host of rank 0 (the learner)
+    other = b if home is a else a
+
+    # Chunks: ipc on the learner's host, tcp across the link to the address the learner
+    # advertised on it (its veth address, never loopback).
+    routes = {r: s[r]["data_route"] for r in s}
+    assert all(routes[r]["learner"] == 0 for r in s)
+    for r in (0, 1):
+        assert routes[r]["transport"] == "ipc"
+    for r in (2, 3):
+        assert routes[r]["transport"] == "tcp" and routes[r]["address"].startswith(f"tcp://{home.address}:")
+        assert s[r]["chunks_sent"] > 0
+    acc = s[0]["chunk_accounting"]
+    assert acc["unaccounted"] == 0 and acc["rejected_invalid"] == 0
+
+    # Weights: once across the link per version (to the other host's leader), then locally.
+    t = {r: s[r]["broadcast_traffic"] for r in s}
+    versions = t[2]["inter_received"]
+    assert versions > 0 and t[0]["inter_sent"] == versions
+    assert t[2]["local_sent"] == versions == t[3]["local_received"]
+
+    # The link carried it: at least the weights sent across and the chunks that crossed.
+    rx_home = after[home.netns][0] - before[home.netns][0]
+    tx_home = after[home.netns][1] - before[home.netns][1]
+    assert tx_home >= t[0]["inter_sent_bytes"] > 0, (tx_home, t[0])
+    assert rx_home > 100_000, rx_home  # chunks from the other host's two rollout ranks
+    assert after[other.netns][1] - before[other.netns][1] >= rx_home * 0.9  # what the other end sent
+
+    # Both hosts' ranks trained: the other host sampled, the learner learned.
+    assert s[2]["chunks_sent"] + s[3]["chunks_sent"] > 0 and s[0]["version"] == 30
+    success = [r["success_rate"] for r in read_metrics(out / "metrics.jsonl")]
+    first, last = sum(success[:6]) / 6, sum(success[-6:]) / 6
+    assert last > first + 0.2, (first, last)
+
+
+def _workers_of(agent_pid: int) -> list[int]:
+    """The worker processes a torchrun agent started (its children that have a RANK)."""
+    out = []
+    for child in Path("/proc").iterdir():
+        if not child.name.isdigit():
+            continue
+        try:
+            ppid = int((child / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (child / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if ppid == agent_pid and any(e.startswith(b"RANK=") for e in env):
+            out.append(int(child.name))
+    return out
+
+
+def test_killing_one_hosts_ranks_restarts_and_resumes_across_both(two_hosts, tmp_path):
+    """SIGKILL both ranks of host b mid-run: both agents restart their workers (c10d
+    rendezvous), the job resumes from rank 0's last checkpoint on both hosts and finishes."""
+    a, b = two_hosts.hosts
+    out = tmp_path / "kill"
+    port = random.randrange(30000, 40000)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.getcwd()}
+    env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
+    logs = [open(tmp_path / f"{h.hostname}.log", "w") for h in two_hosts.hosts]
+    procs = [subprocess.Popen(torchrun(h, two_hosts, port, out, "run.iterations=16", "run.save_every=1",
+                                       extra=("--max-restarts=1", "--monitor-interval=0.5")),
+                              cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+             for h, log in zip(two_hosts.hosts, logs)]
+    killed: list[int] = []
+    try:
+        deadline = time.monotonic() + 240
+        metrics = out / "metrics.jsonl"
+        while not killed and time.monotonic() < deadline and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+                killed = _workers_of(procs[1].pid)  # host b's agent
+                for pid in killed:
+                    os.kill(pid, signal.SIGKILL)
+        rcs = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+    text = "\n=====\n".join((tmp_path / f"{h.hostname}.log").read_text()[-5000:] for h in two_hosts.hosts)
+    assert len(killed) == 2, text
+    assert rcs == [0, 0], text
+    final = json.loads((out / "summary.json").read_text())
+    assert final["restarts"] == 1 and final["resumed_from"] >= 4 and final["version"] == 16, final
+    first = json.loads((out / "attempts" / "attempt0.json").read_text())
+    assert first["stopped_early"]
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["version"] for r in rows] == list(range(1, 17))  # one row per version, none repeated
+    hosts = {json.loads((out / f"summary_rank{r}.json").read_text())["host"] for r in (1, 2, 3)} | {final["host"]}
+    assert hosts == {a.hostname, b.hostname}  # the resumed attempt ran on both hosts
+    assert final["chunk_accounting"]["unaccounted"] == 0
