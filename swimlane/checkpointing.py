@@ -33,36 +33,52 @@ class RunCheckpoints:
                  generators: dict[str, torch.Generator]):
         self.manager, self.policy, self.algo, self.generators = manager, policy, algo, generators
 
-    def save(self, version: int, manifest: dict[str, Any]) -> None:
-        """Write version ``version``; ``manifest`` adds the run's own entries (counters,
-        env steps, restarts, config)."""
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's (and the KL reference's) tensors, as a checkpoint names them."""
         tensors = {f"policy/{k}": v for k, v in self.policy.state_dict().items()}
         ref = getattr(self.algo, "reference", None)
         if ref is not None:
             tensors.update({f"reference/{k}": v for k, v in ref.state_dict().items()})
+        return tensors
+
+    def state(self, version: int, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The run's state at ``version`` as a checkpoint holds it: tensors and manifest."""
         opt_t, opt_meta = optimizer_state(self.algo.optimizer)
         rng_t, rng_meta = rng_state(self.generators)
-        self.manager.save(version, {**tensors, **opt_t, **rng_t},
-                          {"version": version, **manifest, "optimizer": opt_meta, "rng": rng_meta})
+        return ({**self.weights(), **opt_t, **rng_t},
+                {"version": version, **manifest, "optimizer": opt_meta, "rng": rng_meta})
 
-    def resume(self, restarts: int) -> Resumed | None:
+    def save(self, version: int, manifest: dict[str, Any]) -> None:
+        """Write version ``version``; ``manifest`` adds the run's own entries (counters,
+        env steps, restarts, config)."""
+        self.manager.save(version, *self.state(version, manifest))
+
+    def load_weights(self, t: dict[str, torch.Tensor]) -> None:
+        self.policy.load_state_dict({k[7:]: v for k, v in t.items() if k.startswith("policy/")})
+        ref = getattr(self.algo, "reference", None)
+        if ref is not None:
+            ref.load_state_dict({k[10:]: v for k, v in t.items() if k.startswith("reference/")})
+
+    def restore(self, t: dict[str, torch.Tensor], m: dict[str, Any], path: Path) -> Resumed:
+        """Load a state (from :meth:`state`, or a checkpoint) into the policy, reference,
+        optimizer and generators."""
+        self.load_weights(t)
+        load_optimizer_state(self.algo.optimizer, t, m["optimizer"])
+        set_rng_state(t, m["rng"], self.generators)
+        return Resumed(int(m["version"]), int(m["env_steps"]), m["counters"], path)
+
+    def resume(self, restarts: int, required: bool = True) -> Resumed | None:
         """Load the newest valid checkpoint into the policy, reference, optimizer and
         generators. None when there is none on a restart (start from the beginning);
         a requested resume without one is a ConfigError."""
         ck = self.manager.load_latest()
         if ck is None:
-            if restarts == 0:
+            if restarts == 0 and required:
                 raise ConfigError(f"run.resume: no checkpoint in {self.manager.directory}")
-            log.warning("restart %d: no checkpoint yet, starting from the beginning", restarts)
+            if required:
+                log.warning("restart %d: no checkpoint yet, starting from the beginning", restarts)
             return None
-        m, t = ck.manifest, ck.tensors
-        self.policy.load_state_dict({k[7:]: v for k, v in t.items() if k.startswith("policy/")})
-        ref = getattr(self.algo, "reference", None)
-        if ref is not None:
-            ref.load_state_dict({k[10:]: v for k, v in t.items() if k.startswith("reference/")})
-        load_optimizer_state(self.algo.optimizer, t, m["optimizer"])
-        set_rng_state(t, m["rng"], self.generators)
-        return Resumed(int(m["version"]), int(m["env_steps"]), m["counters"], ck.path)
+        return self.restore(ck.tensors, ck.manifest, ck.path)
 
 
 def truncate_metrics(path: Path, version: int) -> None:

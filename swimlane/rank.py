@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from dvla.checkpoint import CheckpointManager
-from dvla.config import JobConfig
+from dvla.config import ConfigError, JobConfig
 from dvla.distributed import mean_over_group, resolve_device
 from dvla.metrics import MetricsLogger
 from dvla.rollout import episode_stats
@@ -24,6 +24,7 @@ from dvla.types import RolloutBatch
 from planes.buckets import module_weights
 from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
+from swimlane.agreement import agree
 from swimlane.build import (
     build_data_plane,
     build_groups,
@@ -51,6 +52,7 @@ from swimlane.lanes import (
     Update,
 )
 from swimlane.ledger import Ledger, chunk_accounting
+from swimlane.ordering import CollectiveOrder
 from swimlane.trace import Tracer
 from swimlane.validate import ChunkSpec
 
@@ -116,8 +118,7 @@ class RankLanes:
             self.ckpt = CheckpointManager(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
             generators = {"learn": self.learn_gen, **({"sample": self.sample_gen} if rank == 0 else {})}
             self.checkpoints = RunCheckpoints(self.ckpt, self.policy, self.algo, generators)
-            if cfg.run.resume or self.restarts > 0:
-                self._resume()
+            self._start_learner(resume=cfg.run.resume or self.restarts > 0)
 
         buffers = build_weights(self.policy, rank, world_size, self.groups.control, self.groups.stages,
                                 persistent_alloc(self.memory))
@@ -127,6 +128,10 @@ class RankLanes:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(
             sl, data_plane or cfg.data_plane, rank, world_size, self.placement, self.topology)
+
+        # One order of collectives on a learner of several (swimlane/ordering.py).
+        self.order = CollectiveOrder(enabled=self.is_learner and sl.learner_ranks > 1, start=self.version,
+                                     every=sl.broadcast_every, last=self.iterations, poll_s=_POLL_S)
 
         # Lane state.
         self._requests: LocalChannel[Request] = LocalChannel()  # sampling -> inference
@@ -153,8 +158,20 @@ class RankLanes:
         """This attempt's counters plus those of the attempts before a resume."""
         return self.ledger.totals()
 
-    def _resume(self) -> None:
-        got = self.checkpoints.resume(self.restarts)
+    def _start_learner(self, resume: bool) -> None:
+        """Load the newest checkpoint (when resuming); with several learners, make them
+        agree on one starting state, rank 0's (:mod:`swimlane.agreement`)."""
+        got, error = None, None
+        try:
+            if resume:  # a learner other than rank 0 may not see the checkpoints: rank 0 sends them
+                got = self.checkpoints.resume(self.restarts, required=self.rank == 0)
+        except ConfigError as exc:
+            if self.sl.learner_ranks == 1:
+                raise
+            error = str(exc)
+        if self.sl.learner_ranks > 1:
+            got = agree(self.checkpoints, got, group=self.groups.learner, learners=self.placement.learners,
+                        rank=self.rank, device=self.device, error=error)
         if got is None:
             return
         self.version = self.resumed_from = got.version
@@ -219,6 +236,7 @@ class RankLanes:
             lane.run(self.stop_event)
         finally:
             self._logger.close()
+            self.order.ended()
             self.learner_done.set()
 
     def _make_learner(self) -> LearnerLane:
@@ -235,7 +253,8 @@ class RankLanes:
                               max_bad_updates=self.sl.max_bad_updates, poll_s=_POLL_S),
             version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
-            stop_rollouts=self.rollout_stop.set, activations=self._activations)
+            stop_rollouts=self.rollout_stop.set, activations=self._activations,
+            before_update=lambda: self.order.before_update(self.version, self.stop_event))
 
     def _retry_handoff(self) -> None:
         if self.slot.pending and self.slot.free:
@@ -246,6 +265,7 @@ class RankLanes:
         True after the last update (or when the time is up)."""
         self.version += 1
         stats, steps_global = self._global_stats(update.batch, update.env_steps)
+        self.order.updated(self.version)  # this update's collectives are done
         self._env_steps = steps_global
         wall = time.perf_counter() - self._start_time
         totals = self.total_counters()
@@ -265,7 +285,8 @@ class RankLanes:
         if lead and ((every and self.version % every == 0) or last):
             self._save_checkpoint()
         if lead and (self.version % self.sl.broadcast_every == 0 or last):
-            self._handoff(wait=self.sl.mode == "sync" or last)
+            # Skipping a version would break the learners' order of collectives.
+            self._handoff(wait=self.sl.mode == "sync" or last or self.order.enabled)
         return last
 
     def _check_health(self, stall: StallTimer) -> None:
@@ -331,6 +352,7 @@ class RankLanes:
                 self.bc.publish(version)
             if self.is_rollout:
                 self.weights.write(version, self.snap_flats)
+        self.order.broadcast_done(version)
         self.ledger.add("publishes")
 
     def _broadcast_lane(self) -> None:
@@ -347,7 +369,8 @@ class RankLanes:
 
     def _receive_lane(self) -> None:
         """Other ranks: receive every published version into the standby replica."""
-        ReceiveLane(broadcaster=self.bc, weights=self.weights, tracer=self.tracer, shutdown_marker=SHUTDOWN).run()
+        ReceiveLane(broadcaster=self.bc, weights=self.weights, tracer=self.tracer, shutdown_marker=SHUTDOWN,
+                    order=self.order if self.order.enabled else None, stop=self.stop_event).run()
         self.rollout_stop.set()
 
     # -- run -------------------------------------------------------------------------------

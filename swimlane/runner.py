@@ -202,6 +202,8 @@ class Swimlane(RankLanes):
         if self.rank == 0:
             summary["topology"] = self.topology.to_dict()
             summary["placement"] = self.placement.to_dict()
+        if self.order.enabled:
+            summary["collective_sequence"] = [f"{op} {v}" for op, v in self.order.sequence]
         if self.is_learner:
             summary["chunk_accounting"] = self.chunk_accounting()
             steps = int(self.history[-1]["env_steps"]) if self.history else 0

@@ -561,10 +561,13 @@ def test_three_process_run_learns_over_real_planes(tmp_path):
 
 def test_two_learner_ranks_average_gradients_and_finish(tmp_path):
     """Learner ranks 0 and 1 (both also sampling) and a rollout-only rank 2: chunks are
-    routed per learner, gradients all-reduced between the learners, and the run ends."""
+    routed per learner, gradients all-reduced between the learners, and the run ends. Both
+    learners issue their collectives in one order (swimlane/ordering.py): update v's
+    all-reduces, then the broadcast of v when v is published, then update v + 1."""
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            "-m", "dvla.launch", "--preset", "debug", "run.iterations=8", "swimlane.learner_ranks=2",
+           "swimlane.broadcast_every=3", "swimlane.max_staleness=2",
            "data_plane.curve=true",  # chunks encrypted with CurveZMQ
            "run.torch_threads=1", f"run.out_dir={out.parent}", f"run.name={out.name}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
@@ -580,4 +583,9 @@ def test_two_learner_ranks_average_gradients_and_finish(tmp_path):
     learners = [json.loads((out / name).read_text()) for name in ("summary.json", "summary_rank1.json")]
     assert [s["role"] for s in learners] == ["learner+rollout", "learner+rollout"]
     assert learners[0]["weights_digest"] == learners[1]["weights_digest"]
+    expected = ["broadcast 0"]
+    for v in range(1, 9):
+        expected += [f"update {v}"] + ([f"broadcast {v}"] if v % 3 == 0 or v == 8 else [])
+    assert learners[0]["collective_sequence"] == learners[1]["collective_sequence"] == expected
+    assert "collective_sequence" not in json.loads((out / "summary_rank2.json").read_text())
 

@@ -61,16 +61,19 @@ class LearnerLane:
                  cfg: LearnerConfig, version: Callable[[], int], finish_update: Callable[[Update], bool],
                  check_health: Callable[[StallTimer], None], stall: StallTimer,
                  idle: Callable[[], None] = lambda: None, stop_rollouts: Callable[[], None] = lambda: None,
-                 activations: Callable[[], ContextManager] = contextlib.nullcontext):
+                 activations: Callable[[], ContextManager] = contextlib.nullcontext,
+                 before_update: Callable[[], bool] = lambda: True):
         """``version()``: the weights version being trained; ``finish_update(update)`` logs,
         checkpoints and publishes, and returns True after the last update;
         ``check_health(stall)`` raises when the run cannot go on (dead senders, a stall);
-        ``idle()`` runs between polls (a skipped snapshot hand-over, say)."""
+        ``idle()`` runs between polls (a skipped snapshot hand-over, say);
+        ``before_update()`` gates the update's collectives (:mod:`swimlane.ordering`), False
+        when the run stopped while waiting."""
         self.source, self.algo, self.generator = source, algo, generator
         self.ledger, self.tracer, self.cfg = ledger, tracer, cfg
         self.version, self.finish_update = version, finish_update
         self.check_health, self.stall, self.idle = check_health, stall, idle
-        self.stop_rollouts, self.activations = stop_rollouts, activations
+        self.stop_rollouts, self.activations, self.before_update = stop_rollouts, activations, before_update
         self.consumed_steps = 0
         self.bad_in_a_row = 0
         self._pending: tuple[list[RolloutBatch], list[Any]] = ([], [])  # poll(): chunks so far
@@ -151,7 +154,13 @@ class LearnerLane:
         return True
 
     def learn(self, chunks: list[RolloutBatch], releases: list[Any]) -> bool:
-        """One update from ``chunks``; False after the last one."""
+        """One update from ``chunks``; False after the last one (or a stop)."""
+        if not self.before_update():
+            self.ledger.add("discarded_after_run", len(chunks))
+            for release in releases:
+                if release is not None:
+                    release()
+            return False
         if self.cfg.stop_rollouts_before_last and self.version() + 1 >= self.cfg.iterations:
             self.stop_rollouts()  # the last update has its data
         batch = concat(chunks)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from swimlane.ordering import CollectiveOrder
 from swimlane.trace import Tracer
 
 
@@ -96,13 +97,21 @@ class PublishLane:
 
 
 class ReceiveLane:
-    """Every other rank: receive each published version into the standby replica."""
+    """Every other rank: receive each published version into the standby replica. On a
+    learner, each receive waits for its turn in the rank's order of collectives
+    (:class:`swimlane.ordering.CollectiveOrder`)."""
 
-    def __init__(self, *, broadcaster, weights, tracer: Tracer, shutdown_marker: int):
+    def __init__(self, *, broadcaster, weights, tracer: Tracer, shutdown_marker: int,
+                 order: CollectiveOrder | None = None, stop: threading.Event | None = None):
         self.bc, self.weights, self.tracer, self.shutdown_marker = broadcaster, weights, tracer, shutdown_marker
+        self.order, self.stop = order, stop or threading.Event()
+        self.last = -1  # newest version received
 
     def step(self) -> bool:
-        """Receive one version (blocks until the learner publishes); False at shutdown."""
+        """Receive one version (blocks until the learner publishes); False at shutdown (or
+        a stop while waiting for its turn)."""
+        if self.order is not None and not self.order.before_broadcast(self.order.next_published(self.last), self.stop):
+            return False
         version = self.bc.receive_version()
         if version == self.shutdown_marker:
             return False
@@ -112,6 +121,9 @@ class ReceiveLane:
         with self.tracer.span("broadcast", "receive"):
             self.bc.receive_buckets(version, into=self.weights.flats[idx])
         self.weights.commit(idx, version)
+        self.last = version
+        if self.order is not None:
+            self.order.broadcast_done(version)
         return True
 
     def run(self) -> None:
