@@ -88,6 +88,7 @@ COMMANDS = {
     "plan": "placement and modelled weight-broadcast cost on a cluster",
     "config-ref": "the configuration reference, generated from the code",
     "bench": "list the benchmarks in bench/, or run one",
+    "keys": "make persistent CurveZMQ client keys, one per rank (data_plane.curve_keys_dir)",
 }
 
 
@@ -134,6 +135,27 @@ def resolve_run_argument(cmd: str, argv: list[str], value_options: tuple[str, ..
     return [*argv[:positional], str(run), *argv[positional + 1:]]
 
 
+def keys_main(argv: list[str]) -> int:
+    import argparse
+
+    from planes.keys import make_keys
+
+    ap = argparse.ArgumentParser(prog="dvla keys", description=(
+        "Make a CurveZMQ keypair per rank: DIR/secret/rank{r}.key_secret (data_plane.curve_keys_dir=DIR on "
+        "that rank's host) and DIR/public/rank{r}.key (copy those to admit into data_plane.curve_authorized_dir). "
+        "Existing keys are kept."))
+    ap.add_argument("directory")
+    ap.add_argument("--ranks", type=int, required=True, help="world size: keys rank0 .. rank{N-1}")
+    args = ap.parse_args(argv)
+    if args.ranks < 1:
+        ap.error(f"--ranks must be >= 1, got {args.ranks}")
+    made = make_keys(args.directory, [f"rank{r}" for r in range(args.ranks)])
+    print(f"{len(made)} keys in {args.directory}/secret (secret) and {args.directory}/public (public); run with "
+          f"data_plane.curve=true data_plane.curve_keys_dir={args.directory} "
+          f"data_plane.curve_authorized_dir={args.directory}/public")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"], ["help"]):
@@ -162,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         from dvla.report import main as report
 
         return report(resolved)
+    if cmd == "keys":
+        return keys_main(rest)
     if cmd == "config-ref":
         from dvla.config_doc import main as config_ref
 

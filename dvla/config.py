@@ -323,6 +323,11 @@ class JobConfig:
                     f"({self.algo.group_size}), got {self.env.n_envs}",
                 )
             )
+        dp = self.data_plane
+        if dp.curve_authorized_dir and not dp.curve_keys_dir:
+            errs.append(("data_plane.curve_authorized_dir", "admits only listed client keys, and rollout ranks "
+                                                            "without data_plane.curve_keys_dir make fresh ones: "
+                                                            "set curve_keys_dir (dvla keys DIR --ranks N)"))
         return errs
 
     # Convenience wrappers -------------------------------------------------------------

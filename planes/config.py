@@ -4,6 +4,7 @@ the packages above it (``dvla.config`` composes it into a job's configuration)."
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -56,13 +57,23 @@ class DataPlaneConfig:
     """Encrypt with CurveZMQ (the receiver's public key travels through the store)."""
     curve_authorized_dir: str | None = None
     """With ``curve``: only clients whose public keys (``*.key``) are in this directory may
-    connect."""
+    connect (others are refused and counted as ``curve_auth``). A training job needs
+    ``curve_keys_dir`` with it."""
+    curve_keys_dir: str | None = None
+    """With ``curve``: where each rank finds its persistent client key
+    (``secret/rank{N}.key_secret``, made by ``dvla keys DIR --ranks N``). Without it every
+    sender makes a fresh key, which encrypts but can never be in ``curve_authorized_dir``."""
 
     def _validate(self) -> list[tuple[str, str]]:
         if self.transport not in TRANSPORTS:
             return [("transport", f"expected one of {', '.join(map(repr, TRANSPORTS))}, got {self.transport!r}")]
         errs = [(n, f"must be >= 1, got {getattr(self, n)}")
                 for n in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes") if getattr(self, n) < 1]
+        if self.curve_authorized_dir is not None:
+            if not self.curve:
+                errs.append(("curve_authorized_dir", "needs curve=true"))
+            elif not os.path.isdir(self.curve_authorized_dir):
+                errs.append(("curve_authorized_dir", f"{self.curve_authorized_dir!r} is not a directory"))
         if not 0 < self.heartbeat_s < self.peer_timeout_s:
             errs.append(("heartbeat_s", f"must be > 0 and below peer_timeout_s ({self.peer_timeout_s}), "
                                         f"got {self.heartbeat_s}"))

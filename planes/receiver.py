@@ -18,6 +18,7 @@ from torch import Tensor
 
 from planes.addresses import endpoint_hosts
 from planes.config import DataPlaneConfig, check
+from planes.zap import CurveAllowList
 from planes.serial import (
     MessageError,
     as_tensor,
@@ -73,16 +74,12 @@ class TrajectoryReceiver:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.public_key = None
-        self._auth = None
+        self._auth: CurveAllowList | None = None
         if self.cfg.curve:
             public, self._secret = zmq.curve_keypair()
             self.public_key = public
-            if self.cfg.curve_authorized_dir:
-                from zmq.auth.thread import ThreadAuthenticator
-
-                self._auth = ThreadAuthenticator(self.ctx)
-                self._auth.start()
-                self._auth.configure_curve(domain="*", location=self.cfg.curve_authorized_dir)
+            if self.cfg.curve_authorized_dir:  # refusals are counted as rejected "curve_auth"
+                self._auth = CurveAllowList(self.ctx, self.cfg.curve_authorized_dir)
         self.endpoints: dict[str, str] = {"host": _hostname()}
         self._ipc_paths: list[str] = []
         if self.cfg.transport in ("auto", "ipc"):
@@ -107,6 +104,10 @@ class TrajectoryReceiver:
 
     def _bind(self, prefix: str, hwm: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PULL)
+        if self._auth is not None:
+            # Measured with libzmq 4.3.5: behind a ZAP handler a receive HWM of 1 delivers
+            # nothing at all (the handshake succeeds, every message stays queued at the sender).
+            hwm = max(hwm, 2)
         sock.setsockopt(zmq.RCVHWM, hwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + (1 << 20))
@@ -132,6 +133,7 @@ class TrajectoryReceiver:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_check:
+                    self._count_refused()
                     self._drain_heartbeats()
                     self._check_peers()
                     next_check = now + 0.05
@@ -164,6 +166,10 @@ class TrajectoryReceiver:
             if not self._stop.is_set():
                 self._error = exc
                 log.exception("data plane receiver failed")
+
+    def _count_refused(self) -> None:
+        if self._auth is not None and self._auth.refused != self.counters.rejected.get("curve_auth", 0):
+            self.counters.rejected["curve_auth"] = self._auth.refused
 
     def _receive_data(self, wait_ms: int) -> Message | None:
         """One message from the data socket, waiting at most ``wait_ms``; the caller holds

@@ -25,6 +25,8 @@ from launch.topology import Topology, describe, discover, from_spec, local_topol
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget
 from planes.addresses import AddressError
 from planes.buckets import flat_buckets
+from planes.config import DataPlaneConfigError
+from planes.keys import load_client_keys
 from planes.control import WeightBroadcaster, backend_for, hierarchical_stages, new_control_group
 from planes.data import (
     DataPlaneConfig,
@@ -217,6 +219,13 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
         expected = [f"rank{r}" for r in senders]
     if rank in placement.rollout:
         endpoints = lookup_endpoints(store, key=f"dvla/data/{placement.routes[rank]}")
-        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": placement.transports[rank]})
-        sink = RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}"))
+        transport = dp.transport if dp.transport != "auto" else placement.transports[rank]  # a forced one wins
+        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": transport})
+        keys = None
+        if dp.curve and dp.curve_keys_dir:
+            try:
+                keys = load_client_keys(dp.curve_keys_dir, f"rank{rank}")
+            except DataPlaneConfigError as exc:
+                raise ConfigError(str(exc)) from None
+        sink = RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}", client_keys=keys))
     return source, sink, expected

@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from dvla.cli import BENCH_DIR, COMMANDS, main
 
 
@@ -32,3 +34,19 @@ def test_plan_prints_the_model(capsys):
     assert main(["plan", "--nodes", "1,16", "--params", "1B"]) == 0
     out = capsys.readouterr().out
     assert "copies hier" in out and "alpha" in out
+
+
+def test_keys_makes_one_persistent_keypair_per_rank(tmp_path, capsys):
+    from planes.keys import load_client_keys
+
+    assert main(["keys", str(tmp_path / "k"), "--ranks", "3"]) == 0
+    assert "data_plane.curve_keys_dir=" in capsys.readouterr().out
+    secret = sorted(p.name for p in (tmp_path / "k" / "secret").iterdir())
+    assert secret == ["rank0.key_secret", "rank1.key_secret", "rank2.key_secret"]
+    assert sorted(p.name for p in (tmp_path / "k" / "public").iterdir()) == ["rank0.key", "rank1.key", "rank2.key"]
+    assert (tmp_path / "k" / "secret" / "rank1.key_secret").stat().st_mode & 0o077 == 0  # only its owner reads it
+    first = load_client_keys(tmp_path / "k", "rank1")
+    assert main(["keys", str(tmp_path / "k"), "--ranks", "4"]) == 0  # existing keys are kept
+    assert load_client_keys(tmp_path / "k", "rank1") == first and len(first[1]) == 40
+    with pytest.raises(Exception, match=r"data_plane.curve_keys_dir: no key for rank9 in .* make them with `dvla keys "):
+        load_client_keys(tmp_path / "k", "rank9")

@@ -157,3 +157,18 @@ def test_command_line_mistakes_are_config_errors():
         parse_config(["--preset", "debug", "--nope", "5"])
     with pytest.raises(ConfigError, match=r"--preset: expected one argument"):
         parse_config(["--preset"])
+
+
+def test_listed_curve_keys_need_persistent_client_keys(tmp_path):
+    from dvla.presets import debug
+
+    (tmp_path / "pub").mkdir()
+    with pytest.raises(ConfigError, match=r"data_plane.curve_authorized_dir: admits only listed client keys.*"
+                                          r"set curve_keys_dir"):
+        apply_overrides(debug(), ["data_plane.curve=true", f"data_plane.curve_authorized_dir={tmp_path / 'pub'}"])\
+            .validate()
+    with pytest.raises(ConfigError, match=r"data_plane.curve_authorized_dir: needs curve=true"):
+        apply_overrides(debug(), [f"data_plane.curve_authorized_dir={tmp_path / 'pub'}",
+                                  f"data_plane.curve_keys_dir={tmp_path}"]).validate()
+    apply_overrides(debug(), ["data_plane.curve=true", f"data_plane.curve_authorized_dir={tmp_path / 'pub'}",
+                              f"data_plane.curve_keys_dir={tmp_path}"]).validate()

@@ -257,7 +257,10 @@ def test_dead_sender_is_detected_within_timeout(store):
         assert time.monotonic() - t0 < 5
 
 
-def test_curve_encryption_and_client_authorisation(tmp_path):
+@pytest.mark.parametrize("hwm", [1, 8])
+def test_curve_encryption_and_client_authorisation(tmp_path, hwm):
+    """A listed client gets through, an unlisted one is refused and counted; also with a
+    receive HWM of 1 (behind a ZAP handler libzmq then delivered nothing: raised to 2)."""
     keys = tmp_path / "keys"
     allowed = tmp_path / "allowed"
     keys.mkdir()
@@ -265,7 +268,8 @@ def test_curve_encryption_and_client_authorisation(tmp_path):
     pub, sec = zmq.auth.create_certificates(str(keys), "client")
     os.replace(pub, allowed / "client.key")
     client_keys = zmq.auth.load_certificate(sec)
-    cfg = DataPlaneConfig(transport="tcp", curve=True, curve_authorized_dir=str(allowed), send_timeout_s=2)
+    cfg = DataPlaneConfig(transport="tcp", curve=True, curve_authorized_dir=str(allowed), send_timeout_s=2,
+                          send_hwm=hwm, recv_hwm=hwm)
     with TrajectoryReceiver(cfg) as rx:
         assert "curve_public_key" in rx.endpoints
         with TrajectorySender(rx.endpoints, cfg, sender_id="ok", client_keys=client_keys) as tx:
@@ -280,6 +284,8 @@ def test_curve_encryption_and_client_authorisation(tmp_path):
                 pass
             assert rx.get(timeout=1.5) is None
         assert rx.counters.received == 1
+        rx._count_refused()
+        assert rx.counters.rejected["curve_auth"] >= 1
 
 
 def test_bad_config_names_the_field():

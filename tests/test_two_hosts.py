@@ -35,15 +35,16 @@ def run_both(cmds: list[list[str]], cwd, timeout: float = 300) -> list[str]:
     env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
     procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for c in cmds]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    deadline, logs = time.monotonic() + timeout, []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            logs.append(p.communicate()[0] + f"\n[killed after {timeout} s]")
+    for p in procs[len(logs):]:
+        logs.append(p.communicate()[0])
     assert all(p.returncode == 0 for p in procs), "\n=====\n".join(log[-6000:] for log in logs)
     return logs
 
@@ -155,3 +156,84 @@ def test_killing_one_hosts_ranks_restarts_and_resumes_across_both(two_hosts, tmp
     hosts = {json.loads((out / f"summary_rank{r}.json").read_text())["host"] for r in (1, 2, 3)} | {final["host"]}
     assert hosts == {a.hostname, b.hostname}  # the resumed attempt ran on both hosts
     assert final["chunk_accounting"]["unaccounted"] == 0
+
+
+_RECEIVER = """
+import json, sys, time
+from planes.data import DataPlaneConfig, TrajectoryReceiver
+cfg = DataPlaneConfig(transport="tcp", curve=True, curve_keys_dir=sys.argv[1], curve_authorized_dir=sys.argv[2])
+with TrajectoryReceiver(cfg, peers_elsewhere=True, rendezvous=sys.argv[3]) as rx:
+    print(json.dumps(rx.endpoints), flush=True)
+    got, deadline = [], time.monotonic() + 60
+    while len(got) < 3 and time.monotonic() < deadline:
+        msg = rx.get(timeout=0.2)
+        if msg is not None:
+            got.append(msg.sender)
+    sys.stdin.readline()  # the intruder has tried
+    time.sleep(0.5)
+    rx._count_refused()
+    print(json.dumps({"got": got, "rejected": dict(rx.counters.rejected)}), flush=True)
+"""
+
+_SENDER = """
+import json, sys, time
+import torch
+from planes.data import DataPlaneConfig, TrajectorySender
+from planes.keys import load_client_keys
+endpoints, keys, name = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+cfg = DataPlaneConfig(transport="tcp", curve=True, send_timeout_s=3.0)
+tx = TrajectorySender(endpoints, cfg, sender_id=name, client_keys=load_client_keys(keys, name))
+for i in range(int(sys.argv[4])):
+    tx.send("chunk", {"x": torch.arange(10.0)}, {"i": i})
+time.sleep(2.0)
+tx.close()
+"""
+
+
+def test_curve_admits_a_listed_key_and_refuses_an_unlisted_one_across_hosts(two_hosts, tmp_path):
+    """Receiver on host a admits only rank1's key (``dvla keys`` made it); a sender on host b
+    with that key gets through, an intruder with a key of its own is refused and counted."""
+    from planes.keys import make_keys
+
+    a, b = two_hosts.hosts
+    make_keys(tmp_path / "keys", ["rank0", "rank1"])
+    make_keys(tmp_path / "other", ["rank1"])  # same name, another key: not listed
+    (tmp_path / "keys" / "public" / "rank0.key").unlink()  # only rank1 is admitted
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    rx = subprocess.Popen(a.command([sys.executable, "-c", _RECEIVER, str(tmp_path / "keys"),
+                                     str(tmp_path / "keys" / "public"), b.address]),
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        endpoints = json.loads(rx.stdout.readline())
+        assert endpoints["tcp"].startswith(f"tcp://{a.address}:")
+        ok = subprocess.run(b.command([sys.executable, "-c", _SENDER, json.dumps(endpoints), str(tmp_path / "keys"),
+                                       "rank1", "3"]), env=env, capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        bad = subprocess.run(b.command([sys.executable, "-c", _SENDER, json.dumps(endpoints), str(tmp_path / "other"),
+                                        "rank1", "1"]), env=env, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 0, bad.stderr  # it cannot tell: its messages just never arrive
+        rx.stdin.write("done\n")
+        rx.stdin.flush()
+        result = json.loads(rx.stdout.readline())
+    finally:
+        rx.kill()
+        rx.wait()
+    assert result["got"] == ["rank1"] * 3
+    assert result["rejected"].get("curve_auth", 0) >= 1, result
+
+
+def test_two_hosts_train_with_listed_curve_keys(two_hosts, tmp_path):
+    """Every rank's key made by ``dvla keys`` and listed: chunks cross the link encrypted
+    and authenticated, none refused, and the run finishes."""
+    subprocess.run([sys.executable, "-m", "dvla.cli", "keys", str(tmp_path / "keys"), "--ranks", "4"], check=True,
+                   capture_output=True)
+    out = tmp_path / "curve"
+    curve = ("data_plane.curve=true", f"data_plane.curve_keys_dir={tmp_path / 'keys'}",
+             f"data_plane.curve_authorized_dir={tmp_path / 'keys' / 'public'}", "run.iterations=8")
+    port = random.randrange(40000, 50000)
+    run_both([torchrun(h, two_hosts, port, out, *curve) for h in two_hosts.hosts], tmp_path)
+    s0 = json.loads((out / "summary.json").read_text())
+    assert s0["version"] == 8 and s0["receiver"]["rejected"].get("curve_auth", 0) == 0
+    for r in (2, 3):
+        s = json.loads((out / f"summary_rank{r}.json").read_text())
+        assert s["data_route"]["transport"] == "tcp" and s["chunks_sent"] > 0
