@@ -11,6 +11,7 @@ finish their decrefs, and no rank tears down while another is still mid-collecti
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from datetime import timedelta
@@ -127,3 +128,33 @@ def mean_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = N
     dist.all_reduce(t, group=group)
     t /= dist.get_world_size(group)
     return dict(zip(stats, t.tolist()))
+
+
+def _json_bytes(obj) -> torch.Tensor:
+    return torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+
+
+def broadcast_json(obj, src: int, group: dist.ProcessGroup | None = None):
+    """``obj`` (JSON values) from global rank ``src`` to every rank of ``group``, as two
+    CPU tensor broadcasts (length, bytes): no pickle crosses the wire."""
+    data = _json_bytes(obj) if dist.get_rank() == src else torch.empty(0, dtype=torch.uint8)
+    n = torch.tensor([data.numel()], dtype=torch.int64)
+    dist.broadcast(n, src=src, group=group)
+    if dist.get_rank() != src:
+        data = torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(data, src=src, group=group)
+    return json.loads(bytes(data.numpy()).decode())
+
+
+def all_gather_json(obj, group: dist.ProcessGroup | None = None) -> list:
+    """Every rank's ``obj`` (JSON values), in group rank order, without pickle."""
+    data = _json_bytes(obj)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+    longest = max(int(s) for s in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(out, padded, group=group)
+    return [json.loads(bytes(t[: int(s)].numpy()).decode()) for t, s in zip(out, sizes)]

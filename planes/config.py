@@ -41,7 +41,12 @@ class DataPlaneConfig:
     busy; when full it stops reading (a consumer waiting in ``get`` reads for itself).
     The swimlane sets it from ``swimlane.queue_size``."""
     max_message_bytes: int = 1 << 30  # planes.serial.DEFAULT_MAX_BYTES
-    """Largest accepted message; bigger ones are rejected unread."""
+    """Largest accepted message; bigger ones are rejected unread. A training job lowers it
+    to its largest legal chunk plus a margin."""
+    max_frame_bytes: int = 0
+    """Largest frame libzmq accepts (``ZMQ_MAXMSGSIZE``); a peer that sends a bigger one is
+    disconnected before it is buffered. 0: ``max_message_bytes``. A training job sets it
+    to its largest tensor plus a margin."""
     send_timeout_s: float = 60.0
     """Longest a send may block on backpressure before it fails."""
     heartbeat_s: float = 0.5
@@ -69,6 +74,8 @@ class DataPlaneConfig:
             return [("transport", f"expected one of {', '.join(map(repr, TRANSPORTS))}, got {self.transport!r}")]
         errs = [(n, f"must be >= 1, got {getattr(self, n)}")
                 for n in ("send_hwm", "recv_hwm", "recv_queue", "max_message_bytes") if getattr(self, n) < 1]
+        if self.max_frame_bytes < 0:
+            errs.append(("max_frame_bytes", f"must be >= 0, got {self.max_frame_bytes}"))
         if self.curve_authorized_dir is not None:
             if not self.curve:
                 errs.append(("curve_authorized_dir", "needs curve=true"))

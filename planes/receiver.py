@@ -16,9 +16,11 @@ import numpy
 import zmq
 from torch import Tensor
 
-from planes.addresses import endpoint_hosts
+from planes.addresses import endpoint_hosts, is_loopback
 from planes.config import DataPlaneConfig, check
 from planes.zap import CurveAllowList
+
+_ENVELOPE_SLACK = 64 << 10  # a message's envelope (names, dtypes, shapes, meta) fits in this
 from planes.serial import (
     MessageError,
     as_tensor,
@@ -56,6 +58,10 @@ class TrajectoryReceiver:
         check(self.cfg)
         self.bind_host, self.advertise_host = endpoint_hosts(self.cfg.bind_host, self.cfg.advertise_host,
                                                              peers_elsewhere=peers_elsewhere, rendezvous=rendezvous)
+        if self.cfg.transport != "ipc" and not is_loopback(self.bind_host) and not self.cfg.curve_authorized_dir:
+            log.warning("data plane: listening on %s without data_plane.curve_authorized_dir: any host that reaches "
+                        "it can connect and send (each message is checked and bounded); on a network you do not "
+                        "trust, admit only your ranks' keys (dvla keys)", self.bind_host)
         if self.cfg.keep_receive_buffers:
             keep_freed_memory_for_reuse()
         self.ctx = ctx or zmq.Context.instance()
@@ -110,7 +116,10 @@ class TrajectoryReceiver:
             hwm = max(hwm, 2)
         sock.setsockopt(zmq.RCVHWM, hwm)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes + (1 << 20))
+        # Per frame: a bigger one drops the connection before libzmq buffers it. Heartbeats
+        # are a few hundred bytes.
+        frame = (self.cfg.max_frame_bytes or self.cfg.max_message_bytes) + _ENVELOPE_SLACK
+        sock.setsockopt(zmq.MAXMSGSIZE, frame if prefix == "" else _ENVELOPE_SLACK)
         if self.public_key is not None:
             sock.curve_secretkey = self._secret
             sock.curve_publickey = self.public_key
@@ -244,7 +253,9 @@ class TrajectoryReceiver:
                 more = sock.getsockopt(zmq.RCVMORE)
             with self._lock:  # heartbeats (background thread) and data (either thread) both count here
                 self.counters.rejected[exc.reason] += 1
-            log.error("data plane: rejected message: %s", exc)
+                n = self.counters.rejected[exc.reason]
+            if n <= 5 or n % 1000 == 0:  # a peer sending garbage must not flood the log
+                log.error("data plane: rejected message (%s so far of this kind): %s", n, exc)
             return None
         now = time.monotonic()
         with self._lock:

@@ -14,19 +14,19 @@ resumes at ``V``. So, once at start-up, over the learners' group:
    counters, so a learner without the checkpoint receives it from rank 0.
 
 Tensors travel as collectives on their own device (NCCL for CUDA tensors, gloo for CPU
-ones); names, shapes and the manifest as one object broadcast.
+ones); names, shapes and the manifest as JSON bytes (no pickle).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dvla.config import ConfigError
+from dvla.distributed import all_gather_json, broadcast_json
 from swimlane.checkpointing import Resumed, RunCheckpoints
 
 log = logging.getLogger("dvla.swimlane")
@@ -37,9 +37,7 @@ def agree(checkpoints: RunCheckpoints, resumed: Resumed | None, *, group, learne
     """Run on every learner. ``resumed``: what this learner loaded itself; ``error``: why
     it could not (raised on every learner, so none waits for the others forever).
     Returns what this learner now resumes from (None: a fresh start)."""
-    mine = (resumed.version if resumed is not None else -1, error)
-    said: list[Any] = [None] * len(learners)
-    dist.all_gather_object(said, mine, group=group)
+    said = all_gather_json([resumed.version if resumed is not None else -1, error], group=group)
     errors = [e for _, e in said if e]
     if errors:
         raise ConfigError(errors[0])
@@ -52,17 +50,16 @@ def agree(checkpoints: RunCheckpoints, resumed: Resumed | None, *, group, learne
             f"{source if source >= 0 else 'none'}, " + ", ".join(f"rank {r} has version {v}" for r, v in odd)
             + "; give all learners the same run directory (shared storage) or remove the stale checkpoints")
     full = source >= 0  # rank 0 resumed: the whole state, else the starting weights
+    obj = None
     if rank == 0:
         manifest = {"env_steps": resumed.env_steps, "counters": resumed.counters} if full else {}
         tensors, meta = checkpoints.state(source, manifest) if full else (checkpoints.weights(), {})
-        layout = [(k, tuple(t.shape), t.dtype, t.device.type) for k, t in sorted(tensors.items())]
-        obj: list[Any] = [layout, meta, str(resumed.path) if resumed is not None else ""]
-    else:
-        obj = [None, None, None]
-    dist.broadcast_object_list(obj, src=0, group=group)
-    layout, meta, path = obj
+        layout = [[k, list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type]
+                  for k, t in sorted(tensors.items())]
+        obj = [layout, meta, str(resumed.path) if resumed is not None else ""]
+    layout, meta, path = broadcast_json(obj, src=0, group=group)
     if rank != 0:
-        tensors = {k: torch.empty(shape, dtype=dtype, device=device if kind != "cpu" else "cpu")
+        tensors = {k: torch.empty(shape, dtype=getattr(torch, dtype), device=device if kind != "cpu" else "cpu")
                    for k, shape, dtype, kind in layout}
     for k, *_ in layout:
         dist.broadcast(tensors[k], src=0, group=group)

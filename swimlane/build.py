@@ -195,11 +195,13 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc) -
 
 
 def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: int, placement: Placement,
-                     topology: Topology):
+                     topology: Topology, limits: tuple[int, int] | None = None):
     """``(source, sink, expected_senders)``: a local queue in one process; otherwise every
     learner rank binds a receiver (its tcp endpoint where its senders on other hosts can
     reach it) and each rollout rank sends to the learner (and over the transport) its
-    placement says."""
+    placement says. ``limits``: the largest legal message and frame of this job
+    (:meth:`swimlane.validate.ChunkSpec.message_limits`); the receiver refuses bigger ones
+    (never above what ``dp`` allows)."""
     if world == 1:
         chunks = LocalChunks(sl.queue_size)
         return chunks, chunks, []
@@ -207,7 +209,11 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
     source = sink = None
     expected: list[str] = []
     if rank in placement.learners:
-        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": sl.queue_size})
+        bounds = {}
+        if limits is not None:
+            bounds = {"max_message_bytes": min(dp.max_message_bytes, limits[0]),
+                      "max_frame_bytes": min(dp.max_frame_bytes or dp.max_message_bytes, limits[1])}
+        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": sl.queue_size, **bounds})
         senders = placement.senders_of(rank)
         elsewhere = any(topology.host_of(r) != topology.host_of(rank) for r in senders)
         try:

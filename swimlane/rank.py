@@ -104,6 +104,7 @@ class RankLanes:
         self.groups = build_groups(sl, world_size, pl, self.device)
         model = build_model(cfg, rank, self.device, pl, self.groups, self.memory)
         self.envs, self.policy, self.algo = model.envs, model.policy, model.algo
+        self.chunk_spec = ChunkSpec.for_policy(self.policy, cfg.env.n_envs, cfg.env.episode_len)
         self.sample_gen, self.learn_gen = model.sample_gen, model.learn_gen
 
         # Checkpoints: learners resume from the newest valid one (``run.resume``, or when
@@ -127,7 +128,8 @@ class RankLanes:
         if self.memory is not None:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(
-            sl, data_plane or cfg.data_plane, rank, world_size, self.placement, self.topology)
+            sl, data_plane or cfg.data_plane, rank, world_size, self.placement, self.topology,
+            limits=self.chunk_spec.message_limits(getattr(self.policy.tokenizer, "max_len", 64)))
 
         # One order of collectives on a learner of several (swimlane/ordering.py).
         self.order = CollectiveOrder(enabled=self.is_learner and sl.learner_ranks > 1, start=self.version,
@@ -249,7 +251,7 @@ class RankLanes:
             source=self.source, algo=self.algo, generator=self.learn_gen, ledger=self.ledger, tracer=self.tracer,
             cfg=LearnerConfig(need=self._chunks_per_update(), max_staleness=self.sl.max_staleness,
                               iterations=self.iterations, stop_rollouts_before_last=self.sl.mode == "async",
-                              spec=ChunkSpec.for_policy(self.policy, self.cfg.env.n_envs, self.cfg.env.episode_len),
+                              spec=self.chunk_spec,
                               max_bad_updates=self.sl.max_bad_updates, poll_s=_POLL_S),
             version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,

@@ -208,8 +208,10 @@ class Swimlane(RankLanes):
             summary["chunk_accounting"] = self.chunk_accounting()
             if self.world_size > 1:
                 c = self.source.receiver.counters
+                rc = self.source.receiver.cfg
                 summary["receiver"] = {"received": c.received, "rejected": dict(c.rejected),
-                                       "dropped": dict(c.dropped)}
+                                       "dropped": dict(c.dropped), "max_message_bytes": rc.max_message_bytes,
+                                       "max_frame_bytes": rc.max_frame_bytes}
             steps = int(self.history[-1]["env_steps"]) if self.history else 0
             this_attempt = steps - self.ledger.carried_env_steps
             summary.update(env_steps=steps, env_steps_per_s=this_attempt / wall if wall > 0 else 0.0,

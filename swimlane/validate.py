@@ -46,17 +46,24 @@ class ChunkSpec:
                 "rewards": (t, b), "terminated": (t, b), "truncated": (t, b), "valid": (t, b),
                 "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens)}
 
-    def largest_chunk_bytes(self, max_tokens: int = 64) -> int:
-        """Bytes of the largest legal chunk's tensors (the data plane's size bound)."""
+    def tensor_bytes(self, max_tokens: int) -> dict[str, int]:
+        """Bytes of each tensor of the largest legal chunk (instructions of ``max_tokens``)."""
         sizes = {"image": 1, "instruction_ids": 8, "policy_version": 8, "group_ids": 8, "terminated": 1,
                  "truncated": 1, "valid": 1, "success": 1}
-        total = 0
+        out = {}
         for name, shape in self.shapes(self.max_steps, max_tokens).items():
             n = 1
             for d in shape:
                 n *= d
-            total += n * sizes.get(name, 4)
-        return total
+            out[name] = n * sizes.get(name, 4)
+        return out
+
+    def message_limits(self, max_tokens: int) -> tuple[int, int]:
+        """``(max_message_bytes, max_frame_bytes)`` for the data plane: the largest legal
+        chunk and its largest tensor, each plus an eighth and 64 KiB."""
+        sizes = self.tensor_bytes(max_tokens)
+        total, largest = sum(sizes.values()), max(sizes.values())
+        return total + total // 8 + (64 << 10), largest + largest // 8 + (64 << 10)
 
 
 def check_chunk(batch: RolloutBatch, spec: ChunkSpec, learner_version: int) -> tuple[str, str] | None:

@@ -76,6 +76,8 @@ def test_two_hosts_train_over_a_real_link(two_hosts, tmp_path):
         assert s[r]["chunks_sent"] > 0
     acc = s[0]["chunk_accounting"]
     assert acc["unaccounted"] == 0 and acc["rejected_invalid"] == 0
+    # The learner's receiver refuses anything larger than this job's largest chunk (plus margin).
+    assert 0 < s[0]["receiver"]["max_frame_bytes"] < s[0]["receiver"]["max_message_bytes"] < 4 << 20
 
     # Weights: once across the link per version (to the other host's leader), then locally.
     t = {r: s[r]["broadcast_traffic"] for r in s}
