@@ -5,25 +5,17 @@ different versions."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
 import traceback
 
 import pytest
+from ranks import spawn_ranks
 
 from dvla.config import apply_overrides
 from dvla.presets import debug
 
-CTX = mp.get_context("spawn")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, overrides: list[str], iterations: int, out) -> None:
+def _worker(rank: int, port: int, per_rank: dict[int, list[str]], iterations: int, out) -> None:
+    overrides = per_rank[rank]
     import torch.distributed as dist
 
     from dvla.checkpoint import weights_digest
@@ -50,22 +42,7 @@ def _worker(rank: int, port: int, overrides: list[str], iterations: int, out) ->
 
 
 def run_learners(per_rank: dict[int, list[str]], iterations: int) -> dict[int, dict]:
-    out, port = CTX.Queue(), free_port()
-    procs = [CTX.Process(target=_worker, args=(r, port, per_rank[r], iterations, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    res = {}
-    try:
-        for _ in procs:
-            rank, got = out.get(timeout=180)
-            res[rank] = got
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
-    assert not any("error" in v for v in res.values()), res
-    return res
+    return spawn_ranks(_worker, 2, per_rank, iterations, timeout=180)
 
 
 def _checkpointed_run(path, iterations: int) -> None:

@@ -1,8 +1,6 @@
 """Control plane: bucketed, versioned weight broadcast on real gloo process groups."""
 
 import hashlib
-import multiprocessing as mp
-import socket
 import threading
 import time
 import traceback
@@ -10,6 +8,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import free_port, spawn_ranks
 from torch import nn
 
 from dvla.checkpoint import save_weights
@@ -17,13 +16,6 @@ from dvla.distributed import shutdown
 from planes.control import (LayoutMismatchError, WeightBroadcaster, WeightSubscriber, hierarchical_stages,
                             new_control_group)
 
-CTX = mp.get_context("spawn")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(rank: int, hidden: int = 32) -> nn.Module:
@@ -40,7 +32,7 @@ def digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _worker(rank, world, port, scenario, out):
+def _worker(rank, port, world, scenario, out):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
         control = new_control_group()
@@ -171,24 +163,7 @@ SCENARIOS = {"hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch":
 
 
 def run_ranks(scenario, world, timeout=90):
-    out = CTX.Queue()
-    port = free_port()
-    procs = [CTX.Process(target=_worker, args=(r, world, port, scenario, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, res = out.get(timeout=timeout)
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v for r, v in results.items() if "error" in v}
-    assert not errors, errors
-    return results
+    return spawn_ranks(_worker, world, world, scenario, timeout=timeout)
 
 
 @pytest.mark.parametrize("world", [2, 4])

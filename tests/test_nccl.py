@@ -5,31 +5,21 @@ NCCL communicators driven from two threads (without an order this can deadlock).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import socket
-import threading
 import traceback
 
 import pytest
 import torch
+from ranks import spawn_ranks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                                   reason="needs two CUDA devices")]
-CTX = mp.get_context("spawn")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, out) -> None:
     import torch.distributed as dist
     from torch import nn
 
     from dvla.distributed import allreduce_mean_grads, default_backend, mean_over_group
     from planes.control import WeightBroadcaster, new_control_group
+    from ranks import ordered_lanes
     from swimlane.ordering import CollectiveOrder
 
     try:
@@ -56,44 +46,8 @@ def _worker(rank: int, port: int, out) -> None:
             bc.receive_buckets(v, into=[b.flat for b in bc.buckets])
         res["weights"] = float(torch.cat([p.detach().flatten() for p in net.parameters()]).sum())
         # Two threads, two communicators, one order (swimlane/ordering.py).
-        order, stop = CollectiveOrder(enabled=True, start=0, every=2, last=6), threading.Event()
-        seq, errors = [], []
-
-        def gradient():
-            for v in range(1, 7):
-                assert order.before_update(v - 1, stop)
-                seq.append(f"update {v}")
-                dist.all_reduce(torch.ones(1024, device=dev), group=learners)
-                torch.cuda.synchronize()
-                order.updated(v)
-            order.ended()
-
-        def broadcast():
-            last = -1
-            for _ in range(4):  # versions 0, 2, 4, 6
-                want = order.next_published(last)
-                assert order.before_broadcast(want, stop)
-                seq.append(f"broadcast {want}")
-                dist.broadcast(torch.full((1024,), float(want), device=dev), src=0, group=control)
-                torch.cuda.synchronize()
-                order.broadcast_done(want)
-                last = want
-
-        def guard(fn):
-            def body():
-                try:
-                    fn()
-                except BaseException as exc:
-                    errors.append(repr(exc))
-                    stop.set()
-            return body
-
-        threads = [threading.Thread(target=guard(f)) for f in (gradient, broadcast)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        res["seq"], res["errors"] = seq, errors
+        order = CollectiveOrder(enabled=True, start=0, every=2, last=6)
+        res["seq"] = ordered_lanes(rank, order, learners, control, 6, device=str(dev))
         dist.barrier()
         dist.destroy_process_group()
         out.put((rank, res))
@@ -102,26 +56,11 @@ def _worker(rank: int, port: int, out) -> None:
 
 
 def test_nccl_collectives_backends_and_order():
-    out, port = CTX.Queue(), free_port()
-    procs = [CTX.Process(target=_worker, args=(r, port, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    res = {}
-    try:
-        for _ in procs:
-            rank, got = out.get(timeout=300)
-            res[rank] = got
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    assert not any("error" in r for r in res.values()), res
+    res = spawn_ranks(_worker, 2, timeout=300)
     for r in (0, 1):
         assert res[r]["mean"] == {"a": 0.5, "b": 2.0}
         assert res[r]["grad"] == pytest.approx(0.5)
-        assert not res[r]["errors"]
     assert res[0]["weights"] == res[1]["weights"]
     expected = ["broadcast 0", "update 1", "update 2", "broadcast 2", "update 3", "update 4", "broadcast 4",
                 "update 5", "update 6", "broadcast 6"]
-    assert res[0]["seq"] == res[1]["seq"] == expected
+    assert res[0]["seq"] == expected + ["broadcast -1"] and res[1]["seq"] == expected + ["broadcast 8"]

@@ -6,101 +6,26 @@ and requires it to be the same on every rank, and the documented one."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import random
-import socket
-import threading
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
+from ranks import ordered_lanes, spawn_ranks
 
 from swimlane.ordering import CollectiveOrder
 
-CTX = mp.get_context("spawn")
 N, EVERY = 10, 3
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _lanes(rank: int, order: CollectiveOrder, learners, control, seq: list[str]) -> None:
-    stop, handoff = threading.Event(), queue.Queue()
-    jitter = random.Random(rank)
-    errors: list[BaseException] = []
-
-    def nap() -> None:
-        time.sleep(jitter.random() * 0.02)
-
-    def gradient() -> None:
-        for v in range(1, N + 1):
-            nap()
-            assert order.before_update(v - 1, stop)
-            seq.append(f"update {v}")
-            dist.all_reduce(torch.ones(4), group=learners)
-            order.updated(v)
-            if rank == 0 and order.published(v):
-                handoff.put(v)
-        order.ended()
-        handoff.put(-1)
-
-    def broadcast() -> None:
-        if rank == 0:
-            v = 0
-            while True:
-                nap()
-                seq.append(f"broadcast {v}")
-                dist.broadcast(torch.tensor([v]), src=0, group=control)
-                order.broadcast_done(v)
-                if v < 0:
-                    return
-                v = handoff.get()
-        last = -1
-        while True:
-            want = order.next_published(last)
-            assert order.before_broadcast(want, stop)
-            nap()
-            got = torch.tensor([0])
-            seq.append(f"broadcast {want}")
-            dist.broadcast(got, src=0, group=control)
-            if int(got) < 0:
-                return
-            assert int(got) == want, (got, want)
-            order.broadcast_done(want)
-            last = want
-
-    def guard(fn):
-        def body():
-            try:
-                fn()
-            except BaseException as exc:
-                errors.append(exc)
-                stop.set()
-        return body
-
-    threads = [threading.Thread(target=guard(f)) for f in (gradient, broadcast)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-
-
-def _worker(rank: int, world: int, port: int, gated: bool, out) -> None:
+def _worker(rank: int, port: int, world: int, gated: bool, out) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
         learners, control = dist.new_group([0, 1]), dist.new_group(list(range(world)))
         seq: list[str] = []
         order = CollectiveOrder(enabled=gated, start=0, every=EVERY, last=N, poll_s=0.005)
         if rank < 2:
-            _lanes(rank, order, learners, control, seq)
+            seq = ordered_lanes(rank, order, learners, control, N)
         else:  # a rollout-only rank: receives only, one thread, no order needed
             while True:
                 got = torch.tensor([0])
@@ -116,23 +41,7 @@ def _worker(rank: int, world: int, port: int, gated: bool, out) -> None:
 
 
 def run(gated: bool, world: int = 3) -> dict[int, list[str]]:
-    out, port = CTX.Queue(), free_port()
-    procs = [CTX.Process(target=_worker, args=(r, world, port, gated, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    res = {}
-    try:
-        for _ in range(world):
-            rank, got = out.get(timeout=120)
-            res[rank] = got
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    errors = {r: v for r, v in res.items() if isinstance(v, dict)}
-    assert not errors, errors
-    return res
+    return spawn_ranks(_worker, world, world, gated)
 
 
 def expected() -> list[str]:

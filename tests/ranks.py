@@ -1,0 +1,115 @@
+"""Spawned ranks for multi-process tests: each worker gets ``(rank, port, *args, out)``,
+joins a process group on ``tcp://127.0.0.1:port`` itself, and puts ``(rank, result)`` on
+``out`` (a dict with ``"error"`` when it failed)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+
+CTX = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(target, world: int, *args, timeout: float = 120) -> dict[int, object]:
+    """Run ``target`` in ``world`` processes; their results by rank. Fails on any error."""
+    out, port = CTX.Queue(), free_port()
+    procs = [CTX.Process(target=target, args=(r, port, *args, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = {}
+    try:
+        for _ in procs:
+            rank, got = out.get(timeout=timeout)
+            res[rank] = got
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+    errors = {r: v for r, v in res.items() if isinstance(v, dict) and "error" in v}
+    assert not errors, errors
+    return res
+
+
+def ordered_lanes(rank: int, order, learners, control, iterations: int, device: str = "cpu") -> list[str]:
+    """A learner's two lanes as two threads, each delayed at random (differently on each
+    rank): one all-reduces ``iterations`` updates on ``learners``, one broadcasts the
+    published versions on ``control`` (rank 0 sends, then -1 to end). Both pass the
+    gates of ``order`` (:class:`swimlane.ordering.CollectiveOrder`) as the lanes do.
+    Returns the order in which this rank issued its collectives."""
+    import queue
+    import random
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    seq: list[str] = []
+    stop, handoff = threading.Event(), queue.Queue()
+    jitter = random.Random(rank)
+    errors: list[BaseException] = []
+
+    def nap() -> None:
+        time.sleep(jitter.random() * 0.02)
+
+    def gradient() -> None:
+        for v in range(1, iterations + 1):
+            nap()
+            assert order.before_update(v - 1, stop)
+            seq.append(f"update {v}")
+            dist.all_reduce(torch.ones(4, device=device), group=learners)
+            order.updated(v)
+            if rank == 0 and order.published(v):
+                handoff.put(v)
+        order.ended()
+        handoff.put(-1)
+
+    def broadcast() -> None:
+        if rank == 0:
+            v = 0
+            while True:
+                nap()
+                seq.append(f"broadcast {v}")
+                dist.broadcast(torch.tensor([v], device=device), src=0, group=control)
+                order.broadcast_done(v)
+                if v < 0:
+                    return
+                v = handoff.get()
+        last = -1
+        while True:
+            want = order.next_published(last)
+            assert order.before_broadcast(want, stop)
+            nap()
+            got = torch.tensor([0], device=device)
+            seq.append(f"broadcast {want}")
+            dist.broadcast(got, src=0, group=control)
+            if int(got) < 0:
+                return
+            assert int(got) == want, (got, want)
+            order.broadcast_done(want)
+            last = want
+
+    def guard(fn):
+        def body():
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+                stop.set()
+        return body
+
+    threads = [threading.Thread(target=guard(f)) for f in (gradient, broadcast)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return seq
