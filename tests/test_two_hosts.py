@@ -239,3 +239,25 @@ def test_two_hosts_train_with_listed_curve_keys(two_hosts, tmp_path):
     for r in (2, 3):
         s = json.loads((out / f"summary_rank{r}.json").read_text())
         assert s["data_route"]["transport"] == "tcp" and s["chunks_sent"] > 0
+
+
+def test_each_learner_advertises_its_own_endpoint_across_hosts(two_hosts, tmp_path):
+    """Two learners on host a, the rollout ranks on host b: each rollout rank dials its own
+    learner's advertised endpoint over the link, and the learners stay identical."""
+    out = tmp_path / "learners"
+    port = random.randrange(50000, 60000)
+    run_both([torchrun(h, two_hosts, port, out, "run.iterations=6", "swimlane.learner_ranks=2",
+                       "swimlane.colocate=false") for h in two_hosts.hosts], tmp_path)
+    s = {0: json.loads((out / "summary.json").read_text())}
+    for r in (1, 2, 3):
+        s[r] = json.loads((out / f"summary_rank{r}.json").read_text())
+    home = s[0]["host"]
+    home_address = next(h.address for h in two_hosts.hosts if h.hostname == home)
+    learners = [r for r in s if s[r]["role"].startswith("learner")]
+    assert learners == [0, 1] and s[1]["host"] == home != s[2]["host"]
+    routes = {r: s[r]["data_route"] for r in (2, 3)}
+    assert sorted(routes[r]["learner"] for r in (2, 3)) == [0, 1]
+    addresses = {routes[r]["address"] for r in (2, 3)}
+    assert len(addresses) == 2 and all(x.startswith(f"tcp://{home_address}:") for x in addresses)
+    assert s[0]["weights_digest"] == s[1]["weights_digest"] and s[0]["version"] == 6
+    assert s[0]["collective_sequence"] == s[1]["collective_sequence"]
