@@ -135,6 +135,24 @@ def resolve_run_argument(cmd: str, argv: list[str], value_options: tuple[str, ..
     return [*argv[:positional], str(run), *argv[positional + 1:]]
 
 
+def take_imports(argv: list[str]) -> list[str]:
+    """Load the plugins named by ``--import MODULE`` in ``argv`` (and entry points); the
+    rest of ``argv``."""
+    from dvla.plugins import load_plugins
+
+    rest, imports, it = [], [], iter(argv)
+    for a in it:
+        if a == "--import":
+            imports.append(next(it, ""))
+        elif a.startswith("--import="):
+            imports.append(a.split("=", 1)[1])
+        else:
+            rest.append(a)
+    if imports:
+        load_plugins(imports)
+    return rest
+
+
 def keys_main(argv: list[str]) -> int:
     import argparse
 
@@ -169,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dvla: unknown {what} {argv[0]!r}; commands: {', '.join(COMMANDS)} (dvla --help)", file=sys.stderr)
         return 2
     cmd, rest = argv[0], argv[1:]
+    if cmd != "train":  # train takes --import itself (as python -m dvla.launch does)
+        try:
+            rest = take_imports(rest)
+        except Exception as exc:  # a ConfigError from the user's module
+            print(f"dvla {cmd}: error: {exc}", file=sys.stderr)
+            return 2
     if cmd == "train":
         from dvla.launch import main as train
 

@@ -127,6 +127,11 @@ class AlgoConfig:
     forward pass over the stale steps per update), or ``loglinear``: interpolate between the
     behaviour log-prob and the trained policy's, by version lag (AReaL's ``prox_logp_method``,
     A-3PO), which saves that forward pass."""
+    train_mode: bool = False
+    """Run the policy in train mode (dropout on, batch-norm statistics updated) while it
+    learns. False: eval mode, the mode rollouts sample in, so that the importance ratio of
+    unchanged weights is exactly 1 (with dropout in train mode it is not: the ratio would
+    measure the dropout noise, not the policy's change)."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []

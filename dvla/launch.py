@@ -58,6 +58,9 @@ def build_parser(prog: str = "python -m dvla.launch") -> argparse.ArgumentParser
     p.add_argument("-v", "--verbose", action="store_true", help="more log output: debug messages, third-party "
                    "warnings (sets DVLA_VERBOSE=1 for the simulators)")
     p.add_argument("--debug", action="store_true", help="show the Python traceback of configuration errors")
+    p.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                   help="import a module (dotted name, or a .py file) that registers policies or envs; repeatable. "
+                        "Packages with dvla.policies / dvla.envs entry points are found without it")
     return p
 
 
@@ -80,6 +83,9 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m dvla.laun
     if bad:
         raise ConfigError(f"unrecognised argument(s) {' '.join(bad)}: options are listed by {prog} --help, "
                           "overrides look like env.n_envs=8")
+    from dvla.plugins import load_plugins
+
+    load_plugins(args.imports)  # before the config is checked: it may name their policies and envs
     cfg = get_preset(args.preset)
     if args.config:
         cfg = load_yaml(cfg, args.config)

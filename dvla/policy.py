@@ -127,6 +127,17 @@ class VLAPolicy(nn.Module, ABC):
                 + " (pass abstract=True in the class statement for an intermediate base)"
             )
 
+    _API = ("forward", "prepare", "act", "evaluate", "value", "device")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # nn.Module keeps a submodule in ``_modules``, where attribute lookup never reaches a
+        # name the class defines: ``self.act = nn.Linear(...)`` would leave ``self.act`` the
+        # method and the layer unreachable. Say so where it happens.
+        if name in self._API and isinstance(value, torch.nn.Module):
+            raise TypeError(f"{type(self).__qualname__}: `self.{name} = <module>` would hide VLAPolicy.{name}; "
+                            f"name the submodule otherwise (e.g. `self.{name}_head`)")
+        super().__setattr__(name, value)
+
     def __init__(self, spec: PolicySpec, config: Any):
         super().__init__()
         self.spec = spec

@@ -24,8 +24,9 @@ Run it
 
 Afterwards ``OUT/weights.safetensors`` holds the trained ``PatchMixVLA`` parameters (its
 metadata names the policy and the weights version) and ``OUT/summary.json`` the run summary.
-To use the model from ``python -m dvla.launch`` or ``torchrun``, the module defining it
-must be imported first (the registry is filled at import time).
+To use the model from ``python -m dvla.launch`` or ``torchrun``, import this file there:
+``python -m dvla.launch --import examples/custom_policy.py --preset fast_reach
+policy.name=patch_mix_vla``.
 """
 
 from __future__ import annotations

@@ -105,3 +105,38 @@ def test_update_moves_policy_towards_advantage(algo):
         assert "kl_ref" in stats
     else:
         assert "value_loss" in stats
+
+
+@pytest.mark.parametrize("train_mode", [False, True])
+def test_with_dropout_the_ratio_of_unchanged_weights_is_one_in_the_rollouts_mode(train_mode):
+    """A policy with heavy dropout, a learning rate of 0: in the rollouts' (eval) mode every
+    ratio is exactly 1; in train mode dropout alone moves samples out of the clip range."""
+    from torch import nn
+
+    from dvla.algos import build_algorithm
+    from dvla.config import AlgoConfig, EnvConfig
+    from dvla.envs import make_env
+    from dvla.models.tiny_vla import TinyVLA
+    from dvla.policy import PolicySpec
+    from dvla.rollout import collect_episodes
+
+    class DropoutVLA(TinyVLA):
+        def forward(self, obs):
+            out = super().forward(obs)
+            out.dist.mean = self.drop(out.dist.mean)  # the Gaussian head's mean, through dropout
+            return out
+
+    env = make_env(EnvConfig(name="fast_reach", n_envs=16, episode_len=6, image_size=16), "cpu", seed=0)
+    torch.manual_seed(0)
+    policy = DropoutVLA(PolicySpec.for_env(env.spec), TinyVLA.Config(head="gaussian"))
+    policy.drop = nn.Dropout(0.5)
+    with torch.no_grad():
+        policy.log_std.fill_(-2.0)  # a narrow Gaussian: dropout on its mean moves log-probs a lot
+    batch = collect_episodes(env, policy, 6, group_size=4, generator=torch.Generator().manual_seed(0))
+    algo = build_algorithm(AlgoConfig(lr=0.0, group_size=4, update_epochs=1, minibatches=1, train_mode=train_mode),
+                           policy)
+    stats = algo.update(batch, torch.Generator().manual_seed(1))
+    if train_mode:
+        assert stats["clip_frac"] > 0.1 and stats["approx_kl"] > 1e-3, sorted(stats.items())
+    else:
+        assert stats["clip_frac"] == 0.0 and abs(stats["approx_kl"]) < 1e-6, stats

@@ -149,3 +149,27 @@ def test_custom_policy_registers_and_builds():
             register_policy("test_linear")(type("Other", (Linear,), {}))
     finally:
         POLICY_REGISTRY.pop("test_linear", None)
+
+
+def test_a_submodule_named_like_the_api_fails_at_construction():
+    from dataclasses import dataclass
+
+    from torch import nn
+
+    from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy
+
+    class Shadowing(VLAPolicy):
+        @dataclass(kw_only=True)
+        class Config:
+            pass
+
+        def __init__(self, spec, config):
+            super().__init__(spec, config)
+            self.act = nn.Linear(2, 2)  # what LeRobot's ACT-style code does
+
+        def forward(self, obs) -> PolicyOutput:
+            raise NotImplementedError
+
+    with pytest.raises(TypeError, match=r"Shadowing: `self.act = <module>` would hide VLAPolicy.act; name the "
+                                        r"submodule otherwise \(e.g. `self.act_head`\)"):
+        Shadowing(PolicySpec((3, 8, 8), 2, 2), Shadowing.Config())

@@ -124,7 +124,7 @@ class Algorithm(ABC):
                         rows = stale.nonzero(as_tuple=True)[0]
                         prox[rows] = self.proximal_log_probs({k: data[k][rows] for k in _PROXIMAL_INPUTS}, chunk)
                         data["prox_logp"] = prox
-        self.policy.train()
+        self.policy.train(self.cfg.train_mode)  # eval by default: the rollouts' mode (algo.train_mode)
         sums: dict[str, float] = {}
         count = 0
         for _ in range(self.cfg.update_epochs):
