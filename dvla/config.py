@@ -127,6 +127,9 @@ class AlgoConfig:
     forward pass over the stale steps per update), or ``loglinear``: interpolate between the
     behaviour log-prob and the trained policy's, by version lag (AReaL's ``prox_logp_method``,
     A-3PO), which saves that forward pass."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) of every parameter group that does not set its own
+    (``VLAPolicy.optim_groups``); 0 uses Adam."""
     train_mode: bool = False
     """Run the policy in train mode (dropout on, batch-norm statistics updated) while it
     learns. False: eval mode, the mode rollouts sample in, so that the importance ratio of

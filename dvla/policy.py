@@ -150,6 +150,15 @@ class VLAPolicy(nn.Module, ABC):
         """Map a batch with ``instruction_ids`` filled to an action distribution
         over chunks ``(B, K, D)`` and an optional value ``(B,)``."""
 
+    # -- optional hooks --------------------------------------------------------------------
+    def optim_groups(self) -> list[dict] | None:
+        """Parameter groups for the optimizer, as ``torch.optim`` takes them (e.g. a lower
+        ``lr`` for a pretrained backbone, ``weight_decay`` 0 for norms and biases); keys a
+        group leaves out take ``algo.lr`` and ``algo.weight_decay``. None (the default): one
+        group of every trainable parameter. Frozen parameters (``requires_grad=False``) never
+        reach the optimizer."""
+        return None
+
     # -- provided --------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

@@ -41,14 +41,46 @@ _PROXIMAL_INPUTS = ("image", "proprio", "ids", "actions")
 GradSync = Callable[[list[torch.nn.Parameter]], None]
 
 
+def param_groups(policy: VLAPolicy) -> list[dict]:
+    """The optimizer's parameter groups: the policy's ``optim_groups()`` (per-module learning
+    rates, weight decay), or one group of every trainable parameter. Frozen parameters
+    (``requires_grad=False``) are left out; a trainable one in no group, or in two, is an
+    error (it would silently never learn, or learn twice)."""
+    declared = policy.optim_groups()
+    if declared is None:
+        return [{"params": [p for p in policy.parameters() if p.requires_grad]}]
+    trainable = {id(p): n for n, p in policy.named_parameters() if p.requires_grad}
+    seen: dict[int, int] = {}
+    groups = []
+    for gi, group in enumerate(declared):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(f"{type(policy).__qualname__}.optim_groups(): group {gi} must be a dict with 'params'")
+        params = [p for p in group["params"] if p.requires_grad]
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"{type(policy).__qualname__}.optim_groups(): parameter "
+                                 f"{trainable.get(id(p), '?')} is in groups {seen[id(p)]} and {gi}")
+            seen[id(p)] = gi
+        if params:
+            groups.append({**group, "params": params})
+    missing = [n for i, n in trainable.items() if i not in seen]
+    if missing:
+        raise ValueError(f"{type(policy).__qualname__}.optim_groups(): trainable parameter(s) in no group: "
+                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (freeze them with "
+                         f"requires_grad_(False), or add them)")
+    return groups
+
+
 class Algorithm(ABC):
     name: str
 
     def __init__(self, cfg: AlgoConfig, policy: VLAPolicy, grad_sync: GradSync | None = None):
         self.cfg = cfg
         self.policy = policy
-        self.params = [p for p in policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(self.params, lr=cfg.lr, eps=1e-5)
+        groups = param_groups(policy)
+        self.params = [p for g in groups for p in g["params"]]
+        opt = torch.optim.AdamW if cfg.weight_decay else torch.optim.Adam
+        self.optimizer = opt(groups, lr=cfg.lr, eps=1e-5, weight_decay=cfg.weight_decay)
         self.grad_sync = grad_sync
 
     @abstractmethod
