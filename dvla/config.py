@@ -127,6 +127,13 @@ class AlgoConfig:
     forward pass over the stale steps per update), or ``loglinear``: interpolate between the
     behaviour log-prob and the trained policy's, by version lag (AReaL's ``prox_logp_method``,
     A-3PO), which saves that forward pass."""
+    ratio: Literal["joint", "step", "dim"] = "joint"
+    """Granularity of the importance ratio (and of its clipping and importance weights):
+    ``joint`` over the whole action chunk, ``step`` per chunk step, ``dim`` per action
+    dimension (a token, for a token head). A joint ratio over many dimensions moves by
+    exp(sum of their changes): at 50 x 7 dimensions, 0.01 nat each is e^3.5, and clipping
+    stops meaning anything. ``step``/``dim`` need a head with ``log_prob_elements``. Actions
+    the env did not apply (the episode ended inside the chunk) count in none of them."""
     weight_decay: float = 0.0
     """Decoupled weight decay (AdamW) of every parameter group that does not set its own
     (``VLAPolicy.optim_groups``); 0 uses Adam."""

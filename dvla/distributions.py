@@ -21,8 +21,17 @@ class ActionDistribution:
     def mode(self) -> Tensor:  # (B, K, D)
         raise NotImplementedError
 
+    def log_prob_elements(self, actions: Tensor) -> Tensor | None:  # (B, K, D)
+        """Log-prob of every action dimension of every chunk step, where the head factorises
+        that way (per-step and per-dimension ratios, masking actions after an episode's end
+        inside a chunk need it); None where it does not."""
+        return None
+
     def log_prob(self, actions: Tensor) -> Tensor:  # (B,)
-        raise NotImplementedError
+        elements = self.log_prob_elements(actions)
+        if elements is None:
+            raise NotImplementedError(f"{type(self).__name__} implements neither log_prob nor log_prob_elements")
+        return elements.sum(dim=(1, 2))
 
     def entropy(self) -> Tensor:  # (B,)
         raise NotImplementedError
@@ -54,9 +63,9 @@ class BinnedActionDistribution(ActionDistribution):
     def mode(self) -> Tensor:
         return self._to_actions(self.logits.argmax(-1))
 
-    def log_prob(self, actions: Tensor) -> Tensor:
+    def log_prob_elements(self, actions: Tensor) -> Tensor:
         idx = self._to_bins(actions).unsqueeze(-1)
-        return self._log_p.gather(-1, idx).squeeze(-1).sum(dim=(1, 2))
+        return self._log_p.gather(-1, idx).squeeze(-1)
 
     def entropy(self) -> Tensor:
         return -(self._log_p.exp() * self._log_p).sum(-1).sum(dim=(1, 2))
@@ -77,10 +86,9 @@ class GaussianActionDistribution(ActionDistribution):
     def mode(self) -> Tensor:
         return self.mean
 
-    def log_prob(self, actions: Tensor) -> Tensor:
+    def log_prob_elements(self, actions: Tensor) -> Tensor:
         z = (actions - self.mean) * torch.exp(-self.log_std)
-        lp = -0.5 * z.pow(2) - self.log_std - 0.5 * math.log(2 * math.pi)
-        return lp.sum(dim=(1, 2))
+        return -0.5 * z.pow(2) - self.log_std - 0.5 * math.log(2 * math.pi)
 
     def entropy(self) -> Tensor:
         ent = 0.5 + 0.5 * math.log(2 * math.pi) + self.log_std

@@ -57,6 +57,7 @@ class ActOutput:
     actions: Tensor  # (B, K, D) in [-1, 1] (Gaussian samples may exceed it)
     log_probs: Tensor  # (B,)
     values: Tensor  # (B,) zeros when the policy has no value head
+    log_prob_elements: Tensor | None = None  # (B, K, D) where the head factorises per dimension
 
 
 @dataclass
@@ -185,14 +186,19 @@ class VLAPolicy(nn.Module, ABC):
         out = self(self.prepare(obs))
         actions = out.dist.mode() if deterministic else out.dist.sample(generator)
         values = out.value if out.value is not None else torch.zeros(actions.shape[0], device=actions.device)
-        return ActOutput(actions=actions, log_probs=out.dist.log_prob(actions), values=values)
+        elements = out.dist.log_prob_elements(actions)  # one pass: the joint log-prob is their sum
+        log_probs = elements.sum(dim=(1, 2)) if elements is not None else out.dist.log_prob(actions)
+        return ActOutput(actions=actions, log_probs=log_probs, values=values, log_prob_elements=elements)
 
-    def evaluate(self, obs: Observation, actions: Tensor) -> EvalOutput:
-        """Log-probs and entropy of given actions, with gradients (learning path)."""
+    def evaluate(self, obs: Observation, actions: Tensor, action_valid: Tensor | None = None,
+                 ratio: str = "joint") -> EvalOutput:
+        """Log-probs and entropy of given actions, with gradients (learning path).
+        ``action_valid`` (B, K) leaves out the actions of a chunk the env did not apply (the
+        episode had ended); ``ratio`` is the granularity of the log-probs: ``joint`` (B,),
+        ``step`` (B, K) or ``dim`` (B, K, D) (see :func:`chunk_log_probs`)."""
         out = self(self.prepare(obs))
-        return EvalOutput(
-            log_probs=out.dist.log_prob(actions), entropy=out.dist.entropy(), values=out.value
-        )
+        return EvalOutput(log_probs=chunk_log_probs(out.dist, actions, action_valid, ratio),
+                          entropy=out.dist.entropy(), values=out.value)
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor:
@@ -200,6 +206,23 @@ class VLAPolicy(nn.Module, ABC):
         if out.value is None:
             return torch.zeros(obs.batch_size, device=self.device)
         return out.value
+
+
+def chunk_log_probs(dist, actions: Tensor, action_valid: Tensor | None, ratio: str = "joint") -> Tensor:
+    """Log-probs of ``actions`` under ``dist`` at the granularity of ``algo.ratio``: the whole
+    chunk (``joint``, (B,)), each chunk step (``step``, (B, K)) or each action dimension
+    (``dim``, (B, K, D)); actions with ``action_valid`` false count for nothing."""
+    elements = dist.log_prob_elements(actions)
+    if elements is None:
+        if ratio != "joint":
+            raise ValueError(f"algo.ratio={ratio} needs per-dimension log-probs, and "
+                             f"{type(dist).__name__} has no log_prob_elements: use algo.ratio=joint")
+        return dist.log_prob(actions)
+    if action_valid is not None:
+        elements = elements * action_valid.unsqueeze(-1).to(elements.dtype)
+    if ratio == "joint":
+        return elements.sum(dim=(1, 2))
+    return elements.sum(dim=2) if ratio == "step" else elements
 
 
 POLICY_REGISTRY: dict[str, type[VLAPolicy]] = {}

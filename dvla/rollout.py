@@ -51,6 +51,8 @@ class EpisodeRecorder:
         self.image = zeros(t_len, b, *env.spec.image_shape, dtype=torch.uint8)
         self.proprio = zeros(t_len, b, env.spec.proprio_dim)
         self.actions = zeros(t_len, b, action_chunk, env.spec.action_dim)
+        self.action_valid = zeros(t_len, b, action_chunk, dtype=torch.bool)
+        self.action_log_probs = zeros(t_len, b, action_chunk, env.spec.action_dim)
         self.log_probs = zeros(t_len, b)
         self.values = zeros(t_len + 1, b)
         self.rewards = zeros(t_len, b)
@@ -82,7 +84,16 @@ class EpisodeRecorder:
         live = ~self.done
         self.valid[t] = live
         self.actions[t] = out.actions.cpu()
-        self.log_probs[t] = out.log_probs.cpu()
+        k = out.actions.shape[1]
+        executed = res.executed.cpu() if res.executed is not None else torch.full((self.b,), k)
+        mask = (torch.arange(k) < executed.unsqueeze(1)) & live.unsqueeze(1)  # (B, K)
+        self.action_valid[t] = mask
+        if out.log_prob_elements is not None:  # the behaviour log-prob of what the env applied
+            elements = out.log_prob_elements.cpu() * mask.unsqueeze(-1).to(torch.float32)
+            self.action_log_probs[t] = elements
+            self.log_probs[t] = elements.sum(dim=(1, 2))
+        else:
+            self.log_probs[t] = out.log_probs.cpu()
         self.values[t] = out.values.cpu()
         self.policy_version[t] = version
         self.rewards[t] = res.reward.cpu() * live
@@ -104,7 +115,8 @@ class EpisodeRecorder:
             image=self.image, proprio=self.proprio, instruction_ids=self.ids.cpu(), actions=self.actions,
             log_probs=self.log_probs, values=self.values, rewards=self.rewards, terminated=self.terminated,
             truncated=self.truncated, valid=self.valid, policy_version=self.policy_version,
-            success=self.success, group_ids=group_ids,
+            success=self.success, group_ids=group_ids, action_valid=self.action_valid,
+            action_log_probs=self.action_log_probs,
         )
 
 

@@ -54,6 +54,7 @@ class StepResult:
     terminated: Tensor  # (B,) bool: success or failure, no bootstrap
     truncated: Tensor  # (B,) bool: time limit, bootstrap from value
     success: Tensor  # (B,) bool
+    executed: Tensor | None = None  # (B,) int64: actions of the chunk applied while the episode ran
 
 
 @dataclass
@@ -79,6 +80,9 @@ class RolloutBatch:
     policy_version: Tensor  # (T, B) int64
     success: Tensor  # (B,) bool, episode reached the goal
     group_ids: Tensor  # (B,) int64, episodes with equal ids share an initial state
+    action_valid: Tensor  # (T, B, K) bool: the chunk's actions the env applied before the episode ended
+    action_log_probs: Tensor  # (T, B, K, D) float32: behaviour log-prob per action dimension (masked; 0 when the
+    # head does not factorise per dimension)
 
     @property
     def num_steps(self) -> int:

@@ -30,7 +30,7 @@ END_KIND = "end"
 FIELDS = {f.name: f for f in dataclasses.fields(RolloutBatch)}
 _DTYPES = {"image": torch.uint8, "instruction_ids": torch.int64, "policy_version": torch.int64,
            "group_ids": torch.int64, "terminated": torch.bool, "truncated": torch.bool, "valid": torch.bool,
-           "success": torch.bool}
+           "success": torch.bool, "action_valid": torch.bool}
 
 
 class ChunkError(ValueError):
@@ -51,7 +51,7 @@ def batch_from_tensors(tensors: dict[str, torch.Tensor]) -> RolloutBatch:
     lead = {"image": (t_len, b), "proprio": (t_len, b), "actions": (t_len, b), "log_probs": (t_len, b),
             "rewards": (t_len, b), "terminated": (t_len, b), "truncated": (t_len, b), "valid": (t_len, b),
             "policy_version": (t_len, b), "values": (t_len + 1, b), "success": (b,), "group_ids": (b,),
-            "instruction_ids": (b,)}
+            "instruction_ids": (b,), "action_valid": (t_len, b), "action_log_probs": (t_len, b)}
     for name, shape in lead.items():
         if t_len < 0 or tuple(tensors[name].shape[: len(shape)]) != shape:
             raise ChunkError(f"chunk field {name}: shape {tuple(tensors[name].shape)} does not start with {shape}")

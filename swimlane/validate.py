@@ -44,12 +44,13 @@ class ChunkSpec:
         return {"image": (t, b, *self.image_shape), "proprio": (t, b, self.proprio_dim),
                 "actions": (t, b, self.action_chunk, self.action_dim), "log_probs": (t, b), "values": (t + 1, b),
                 "rewards": (t, b), "terminated": (t, b), "truncated": (t, b), "valid": (t, b),
-                "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens)}
+                "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens),
+                "action_valid": (t, b, self.action_chunk), "action_log_probs": (t, b, self.action_chunk, self.action_dim)}
 
     def tensor_bytes(self, max_tokens: int) -> dict[str, int]:
         """Bytes of each tensor of the largest legal chunk (instructions of ``max_tokens``)."""
         sizes = {"image": 1, "instruction_ids": 8, "policy_version": 8, "group_ids": 8, "terminated": 1,
-                 "truncated": 1, "valid": 1, "success": 1}
+                 "truncated": 1, "valid": 1, "success": 1, "action_valid": 1}
         out = {}
         for name, shape in self.shapes(self.max_steps, max_tokens).items():
             n = 1
@@ -80,7 +81,7 @@ def check_chunk(batch: RolloutBatch, spec: ChunkSpec, learner_version: int) -> t
     if ids.numel() and (int(ids.min()) < 0 or (spec.vocab_size is not None and int(ids.max()) >= spec.vocab_size)):
         return "instruction_ids", (f"ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is "
                                    f"[0, {spec.vocab_size})")
-    for name in ("rewards", "log_probs", "values", "proprio", "actions"):
+    for name in ("rewards", "log_probs", "values", "proprio", "actions", "action_log_probs"):
         if not bool(torch.isfinite(getattr(batch, name)).all()):
             return "non_finite", f"{name} holds NaN or inf"
     if batch.valid.any():

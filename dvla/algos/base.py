@@ -36,7 +36,7 @@ from dvla.config import AlgoConfig
 from dvla.policy import VLAPolicy
 from dvla.types import Observation, RolloutBatch
 
-_PROXIMAL_INPUTS = ("image", "proprio", "ids", "actions")
+_PROXIMAL_INPUTS = ("image", "proprio", "ids", "actions", "action_valid")
 
 GradSync = Callable[[list[torch.nn.Parameter]], None]
 
@@ -98,11 +98,25 @@ class Algorithm(ABC):
             "proprio": batch.proprio[t_idx, b_idx],
             "ids": batch.instruction_ids[b_idx],
             "actions": batch.actions[t_idx, b_idx],
-            "behav_logp": batch.log_probs[t_idx, b_idx],
+            "action_valid": batch.action_valid[t_idx, b_idx],
+            "behav_logp": self._behaviour(batch)[t_idx, b_idx],
             "adv": adv[t_idx, b_idx],
             "ret": ret[t_idx, b_idx],
             "old_value": batch.values[t_idx, b_idx],
         }
+
+    def _behaviour(self, batch: RolloutBatch) -> Tensor:
+        """Behaviour log-probs at ``algo.ratio``'s granularity: (T, B), (T, B, K) or (T, B, K, D)."""
+        if self.cfg.ratio == "joint":
+            return batch.log_probs
+        return batch.action_log_probs.sum(-1) if self.cfg.ratio == "step" else batch.action_log_probs
+
+    def _mask(self, mb: dict[str, Tensor], like: Tensor) -> Tensor | None:
+        """Which entries of log-probs shaped ``like`` count (None: all of a joint ratio)."""
+        if like.dim() == 1:
+            return None
+        m = mb["action_valid"]
+        return m if like.dim() == 2 else m.unsqueeze(-1).expand_as(like)
 
     @torch.no_grad()
     def proximal_log_probs(self, data: dict[str, Tensor], chunk: int) -> Tensor:
@@ -116,7 +130,8 @@ class Algorithm(ABC):
         for s in range(0, data["actions"].shape[0], chunk):
             obs = Observation(image=data["image"][s : s + chunk], proprio=data["proprio"][s : s + chunk],
                               instruction_ids=data["ids"][s : s + chunk])
-            out.append(self.policy.evaluate(obs, data["actions"][s : s + chunk]).log_probs)
+            out.append(self.policy.evaluate(obs, data["actions"][s : s + chunk], data["action_valid"][s : s + chunk],
+                                            self.cfg.ratio).log_probs)
         return torch.cat(out)
 
     def update(self, batch: RolloutBatch, generator: torch.Generator | None = None,
@@ -196,18 +211,21 @@ class Algorithm(ABC):
 
     def _step(self, mb: dict[str, Tensor]) -> dict[str, float]:
         obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
-        out = self.policy.evaluate(obs, mb["actions"])
+        out = self.policy.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio)
+        mask = self._mask(mb, out.log_probs)
         if "prox_alpha" in mb:  # off-policy, proximal log-probs interpolated (algo.proximal=loglinear)
             behav = mb["behav_logp"]
-            prox = behav + mb["prox_alpha"] * (out.log_probs.detach() - behav)
+            alpha = mb["prox_alpha"].reshape(-1, *([1] * (behav.dim() - 1)))
+            prox = behav + alpha * (out.log_probs.detach() - behav)
             pl, pstats = clipped_policy_loss(out.log_probs, prox, mb["adv"], self.cfg.clip_eps,
-                                             behav_log_probs=behav, max_is_weight=self.cfg.max_is_weight)
+                                             behav_log_probs=behav, max_is_weight=self.cfg.max_is_weight, mask=mask)
         elif "prox_logp" in mb:  # off-policy: trust region around the proximal policy
             pl, pstats = clipped_policy_loss(out.log_probs, mb["prox_logp"], mb["adv"], self.cfg.clip_eps,
                                              behav_log_probs=mb["behav_logp"],
-                                             max_is_weight=self.cfg.max_is_weight)
+                                             max_is_weight=self.cfg.max_is_weight, mask=mask)
         else:
-            pl, pstats = clipped_policy_loss(out.log_probs, mb["behav_logp"], mb["adv"], self.cfg.clip_eps)
+            pl, pstats = clipped_policy_loss(out.log_probs, mb["behav_logp"], mb["adv"], self.cfg.clip_eps,
+                                             mask=mask)
         entropy = out.entropy.mean()
         extra, estats = self.extra_loss(mb, out)
         loss = pl - self.cfg.entropy_coef * entropy + extra

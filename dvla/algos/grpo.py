@@ -38,6 +38,7 @@ class GRPO(Algorithm):
             return torch.zeros((), device=mb["adv"].device), {}
         obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
         with torch.no_grad():
-            ref_lp = self.reference.evaluate(obs, mb["actions"]).log_probs
-        kl = kl_k3(out.log_probs, ref_lp).mean()
+            ref_lp = self.reference.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio).log_probs
+        k3, mask = kl_k3(out.log_probs, ref_lp), self._mask(mb, out.log_probs)
+        kl = k3.mean() if mask is None else (k3 * mask).sum() / mask.sum().clamp(min=1)
         return self.cfg.kl_coef * kl, {"kl_ref": kl.detach()}

@@ -16,6 +16,7 @@ def clipped_policy_loss(
     clip_eps: float,
     behav_log_probs: Tensor | None = None,
     max_is_weight: float | None = None,
+    mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate in its decoupled form.
 
@@ -24,9 +25,22 @@ def clipped_policy_loss(
     importance weight ``min(pi_prox / pi_behav, max_is_weight)``. With
     ``behav_log_probs=None`` (on-policy) the weight is 1 and this is plain PPO.
 
-    Returns the mean loss over the given samples and diagnostics (with behaviour log-probs,
-    also the mean importance weight before truncation and the share truncated).
+    Log-probs are ``(N,)`` (a joint ratio per sample) or ``(N, ...)`` (per chunk step or
+    per action dimension: each entry its own ratio, clipped and weighted on its own);
+    ``advantages`` ``(N,)`` is shared by a sample's entries, and ``mask`` (the shape of
+    the log-probs) says which entries count.
+
+    Returns the mean loss over the counted entries and diagnostics (with behaviour
+    log-probs, also the mean importance weight before truncation and the share truncated).
     """
+    advantages = advantages.reshape(-1, *([1] * (new_log_probs.dim() - 1)))
+
+    def mean(x: Tensor) -> Tensor:
+        if mask is None:
+            return x.mean()
+        m = mask.to(x.dtype)
+        return (x * m).sum() / m.sum().clamp(min=1.0)
+
     log_ratio = new_log_probs - prox_log_probs
     ratio = log_ratio.exp()
     surr1 = ratio * advantages
@@ -34,17 +48,17 @@ def clipped_policy_loss(
     per_sample = -torch.minimum(surr1, surr2)
     with torch.no_grad():
         stats = {
-            "approx_kl": ((ratio - 1.0) - log_ratio).mean(),
-            "clip_frac": ((ratio - 1.0).abs() > clip_eps).float().mean(),
+            "approx_kl": mean((ratio - 1.0) - log_ratio),
+            "clip_frac": mean(((ratio - 1.0).abs() > clip_eps).float()),
         }
     if behav_log_probs is not None:
         w = (prox_log_probs - behav_log_probs).exp().detach()
-        stats["is_weight_mean"] = w.mean()
+        stats["is_weight_mean"] = mean(w)
         if max_is_weight is not None:
-            stats["is_weight_clipped"] = (w > max_is_weight).float().mean()
+            stats["is_weight_clipped"] = mean((w > max_is_weight).float())
             w = w.clamp(max=max_is_weight)
         per_sample = per_sample * w
-    return per_sample.mean(), stats
+    return mean(per_sample), stats
 
 
 def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:

@@ -103,9 +103,11 @@ class BatchedEnv(ABC):
         total = torch.zeros(self.n_envs, device=self.device)
         term = torch.zeros_like(self._done)
         trunc = torch.zeros_like(self._done)
+        executed = torch.zeros(self.n_envs, dtype=torch.long, device=self.device)
         for k in range(actions.shape[1]):
             r, te, tr, su = self._step_action(actions[:, k])
             live = ~self._done
+            executed += live
             total += r * live
             term |= te & live
             trunc |= tr & live & ~te
@@ -117,6 +119,7 @@ class BatchedEnv(ABC):
             terminated=term,
             truncated=trunc,
             success=self._success.clone(),
+            executed=executed,
         )
 
     @property

@@ -75,8 +75,10 @@ class InferenceLane:
         for r in batch:
             n = r.obs.batch_size
             if kind == "act":
+                el = out.log_prob_elements
                 part = ActOutput(actions=out.actions[start : start + n], log_probs=out.log_probs[start : start + n],
-                                 values=out.values[start : start + n])
+                                 values=out.values[start : start + n],
+                                 log_prob_elements=el[start : start + n] if el is not None else None)
             else:
                 part = out[start : start + n]
             self.replies.put(Reply(r.group, kind, part, version))
