@@ -128,7 +128,7 @@ class VLAPolicy(nn.Module, ABC):
                 + " (pass abstract=True in the class statement for an intermediate base)"
             )
 
-    _API = ("forward", "prepare", "act", "evaluate", "value", "device")
+    _API = ("forward", "prepare", "act", "evaluate", "value", "estimate_value", "optim_groups", "device")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # nn.Module keeps a submodule in ``_modules``, where attribute lookup never reaches a
@@ -152,6 +152,15 @@ class VLAPolicy(nn.Module, ABC):
         over chunks ``(B, K, D)`` and an optional value ``(B,)``."""
 
     # -- optional hooks --------------------------------------------------------------------
+    def estimate_value(self, obs: Observation) -> Tensor | None:
+        """A value estimate ``(B,)`` from a separate module, for a policy whose ``forward``
+        returns none (``has_value_head = True`` still says PPO may use it). Called with the
+        prepared observation; ``forward``'s own value, when it gives one, wins."""
+        return None
+
+    def _value(self, out: PolicyOutput, obs: Observation) -> Tensor | None:
+        return out.value if out.value is not None else self.estimate_value(obs)
+
     def optim_groups(self) -> list[dict] | None:
         """Parameter groups for the optimizer, as ``torch.optim`` takes them (e.g. a lower
         ``lr`` for a pretrained backbone, ``weight_decay`` 0 for norms and biases); keys a
@@ -183,9 +192,12 @@ class VLAPolicy(nn.Module, ABC):
     ) -> ActOutput:
         """Choose action chunks for a batch (rollout path): actions, their log-probs
         under this policy and value estimates."""
-        out = self(self.prepare(obs))
+        obs = self.prepare(obs)
+        out = self(obs)
         actions = out.dist.mode() if deterministic else out.dist.sample(generator)
-        values = out.value if out.value is not None else torch.zeros(actions.shape[0], device=actions.device)
+        values = self._value(out, obs)
+        if values is None:
+            values = torch.zeros(actions.shape[0], device=actions.device)
         elements = out.dist.log_prob_elements(actions)  # one pass: the joint log-prob is their sum
         log_probs = elements.sum(dim=(1, 2)) if elements is not None else out.dist.log_prob(actions)
         return ActOutput(actions=actions, log_probs=log_probs, values=values, log_prob_elements=elements)
@@ -196,16 +208,16 @@ class VLAPolicy(nn.Module, ABC):
         ``action_valid`` (B, K) leaves out the actions of a chunk the env did not apply (the
         episode had ended); ``ratio`` is the granularity of the log-probs: ``joint`` (B,),
         ``step`` (B, K) or ``dim`` (B, K, D) (see :func:`chunk_log_probs`)."""
-        out = self(self.prepare(obs))
+        obs = self.prepare(obs)
+        out = self(obs)
         return EvalOutput(log_probs=chunk_log_probs(out.dist, actions, action_valid, ratio),
-                          entropy=out.dist.entropy(), values=out.value)
+                          entropy=out.dist.entropy(), values=self._value(out, obs))
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor:
-        out = self(self.prepare(obs))
-        if out.value is None:
-            return torch.zeros(obs.batch_size, device=self.device)
-        return out.value
+        obs = self.prepare(obs)
+        value = self._value(self(obs), obs)
+        return value if value is not None else torch.zeros(obs.batch_size, device=self.device)
 
 
 def chunk_log_probs(dist, actions: Tensor, action_valid: Tensor | None, ratio: str = "joint") -> Tensor:

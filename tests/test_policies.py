@@ -173,3 +173,43 @@ def test_a_submodule_named_like_the_api_fails_at_construction():
     with pytest.raises(TypeError, match=r"Shadowing: `self.act = <module>` would hide VLAPolicy.act; name the "
                                         r"submodule otherwise \(e.g. `self.act_head`\)"):
         Shadowing(PolicySpec((3, 8, 8), 2, 2), Shadowing.Config())
+
+
+def test_a_value_head_may_be_a_separate_module(tmp_path):
+    """PPO with a critic that is its own module (``estimate_value``), not an output of
+    ``forward``: the rollouts record its values and the learner trains it."""
+    from torch import nn
+
+    from dvla.config import apply_overrides
+    from dvla.metrics import read_metrics
+    from dvla.models.tiny_vla import TinyVLA
+    from dvla.policy import POLICY_REGISTRY, register_policy
+    from dvla.presets import debug
+    from swimlane import Swimlane
+
+    if "separate_critic_vla" not in POLICY_REGISTRY:
+        @register_policy("separate_critic_vla")
+        class SeparateCritic(TinyVLA):
+            has_value_head = True
+
+            def __init__(self, spec, config):
+                super().__init__(spec, config)
+                self.has_value_head = True  # TinyVLA sets it from its own option
+                self.value_net = nn.Sequential(nn.Linear(spec.proprio_dim, 16), nn.Tanh(), nn.Linear(16, 1))
+
+            def forward(self, obs):
+                out = super().forward(obs)
+                out.value = None  # the value comes from the separate module
+                return out
+
+            def estimate_value(self, obs):
+                return self.value_net(obs.proprio).squeeze(-1)
+
+    lanes = Swimlane(apply_overrides(debug(), ["policy.name=separate_critic_vla", "policy.options.value_head=false",
+                                              "algo.name=ppo", "run.iterations=3", "swimlane.mode=sync",
+                                              "swimlane.driver=serial", f"run.out_dir={tmp_path}"]))
+    before = [p.detach().clone() for p in lanes.policy.value_net.parameters()]
+    summary = lanes.run()
+    assert summary["version"] == 3
+    assert any(not torch.equal(b, p) for b, p in zip(before, lanes.policy.value_net.parameters()))
+    assert all(r["value_loss"] > 0 for r in read_metrics(tmp_path / "metrics.jsonl"))
