@@ -85,7 +85,7 @@ class TrajectoryReceiver:
             public, self._secret = zmq.curve_keypair()
             self.public_key = public
             if self.cfg.curve_authorized_dir:  # refusals are counted as rejected "curve_auth"
-                self._auth = CurveAllowList(self.ctx, self.cfg.curve_authorized_dir)
+                self._auth = CurveAllowList(self.ctx, self.cfg.curve_authorized_dir, on_refused=self._refused)
         self.endpoints: dict[str, str] = {"host": _hostname()}
         self._ipc_paths: list[str] = []
         if self.cfg.transport in ("auto", "ipc"):
@@ -142,7 +142,6 @@ class TrajectoryReceiver:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_check:
-                    self._count_refused()
                     self._drain_heartbeats()
                     self._check_peers()
                     next_check = now + 0.05
@@ -176,9 +175,13 @@ class TrajectoryReceiver:
                 self._error = exc
                 log.exception("data plane receiver failed")
 
-    def _count_refused(self) -> None:
-        if self._auth is not None and self._auth.refused != self.counters.rejected.get("curve_auth", 0):
-            self.counters.rejected["curve_auth"] = self._auth.refused
+    def _refused(self) -> None:
+        with self._lock:  # counters are also written by the data and heartbeat paths
+            self.counters.rejected["curve_auth"] += 1
+            n = self.counters.rejected["curve_auth"]
+        if n <= 5 or n % 1000 == 0:  # a peer that keeps reconnecting must not flood the log
+            log.warning("data plane: refused a client whose key is not in %s (%d so far)",
+                        self.cfg.curve_authorized_dir, n)
 
     def _receive_data(self, wait_ms: int) -> Message | None:
         """One message from the data socket, waiting at most ``wait_ms``; the caller holds

@@ -9,15 +9,14 @@ from the authorised directory's ``*.key`` files (``dvla keys`` writes them).
 
 from __future__ import annotations
 
-import logging
 import threading
 from pathlib import Path
+from typing import Callable
 
 import zmq
 import zmq.auth
 from zmq.utils import z85
 
-log = logging.getLogger("dvla.data_plane")
 _ENDPOINT = "inproc://zeromq.zap.01"
 
 
@@ -31,11 +30,10 @@ def load_public_keys(directory: str | Path) -> set[bytes]:
 
 
 class CurveAllowList:
-    def __init__(self, ctx: zmq.Context, directory: str | Path):
+    def __init__(self, ctx: zmq.Context, directory: str | Path, on_refused: Callable[[], None] = lambda: None):
+        """``on_refused()`` is called (on the handler's thread) for every refused client."""
         self.keys = load_public_keys(directory)
-        self.directory = str(directory)
-        self.refused = 0
-        self.admitted = 0
+        self.on_refused = on_refused
         self._sock = ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(_ENDPOINT)  # before any curve_server socket binds
@@ -56,15 +54,12 @@ class CurveAllowList:
         # version, request id, domain, address, identity, mechanism, credentials...
         version, request_id = (frames + [b"", b""])[:2]
         if len(frames) < 7 or version != b"1.0" or frames[5] != b"CURVE":
-            self.refused += 1
+            self.on_refused()
             return [b"1.0", request_id, b"400", b"expected a CURVE request", b"", b""]
         key = z85.encode(frames[6])
         if key not in self.keys:
-            self.refused += 1
-            log.warning("data plane: refused a client whose key is not in %s (from %s)", self.directory,
-                        frames[3].decode(errors="replace")[:64])
+            self.on_refused()
             return [b"1.0", request_id, b"400", b"client key not authorised", b"", b""]
-        self.admitted += 1
         return [b"1.0", request_id, b"200", b"OK", key, b""]
 
     def stop(self) -> None:

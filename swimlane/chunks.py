@@ -28,7 +28,7 @@ from swimlane.channels import Chunk, LocalChannel
 CHUNK_KIND = "chunk"
 END_KIND = "end"
 FIELDS = {f.name: f for f in dataclasses.fields(RolloutBatch)}
-_DTYPES = {"image": torch.uint8, "instruction_ids": torch.int64, "policy_version": torch.int64,
+DTYPES = {"image": torch.uint8, "instruction_ids": torch.int64, "policy_version": torch.int64,
            "group_ids": torch.int64, "terminated": torch.bool, "truncated": torch.bool, "valid": torch.bool,
            "success": torch.bool, "action_valid": torch.bool}
 
@@ -44,7 +44,7 @@ def batch_from_tensors(tensors: dict[str, torch.Tensor]) -> RolloutBatch:
     if missing or extra:
         raise ChunkError(f"chunk fields: missing {sorted(missing)}, unexpected {sorted(extra)}")
     for name, t in tensors.items():
-        want = _DTYPES.get(name, torch.float32)
+        want = DTYPES.get(name, torch.float32)
         if t.dtype != want:
             raise ChunkError(f"chunk field {name}: dtype {t.dtype}, expected {want}")
     t_len, b = tensors["rewards"].shape if tensors["rewards"].dim() == 2 else (-1, -1)

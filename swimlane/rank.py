@@ -129,7 +129,7 @@ class RankLanes:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(
             sl, data_plane or cfg.data_plane, rank, world_size, self.placement, self.topology,
-            limits=self.chunk_spec.message_limits(getattr(self.policy.tokenizer, "max_len", 64)))
+            limits=self.chunk_spec.message_limits())
 
         # One order of collectives on a learner of several (swimlane/ordering.py).
         self.order = CollectiveOrder(enabled=self.is_learner and sl.learner_ranks > 1, start=self.version,

@@ -197,7 +197,7 @@ class Swimlane(RankLanes):
             summary["broadcast_traffic"] = dict(self.bc.traffic)
         if self.world_size > 1 and self.is_rollout:
             summary["data_route"] = {"learner": self.placement.routes[self.rank],
-                                     "transport": self.placement.transports[self.rank],
+                                     "transport": self.sink.sender.address.split("://")[0],  # as dialled
                                      "address": self.sink.sender.address}
         if self.rank == 0:
             summary["topology"] = self.topology.to_dict()

@@ -10,11 +10,13 @@ rejected with a reason (:data:`REASONS`), counted, and never reaches the update.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from dvla.types import RolloutBatch
+from swimlane.chunks import DTYPES
 
 REASONS = ("shape", "instruction_ids", "non_finite", "version")
 """Why a chunk was rejected; the ledger counts ``rejected_<reason>``."""
@@ -31,13 +33,15 @@ class ChunkSpec:
     n_envs: int  # episodes per chunk
     max_steps: int  # decisions per episode, at most
     vocab_size: int | None = None  # instruction ids lie in [0, vocab_size)
+    max_tokens: int = 64  # instruction ids per episode, at most (for the size bound)
 
     @classmethod
     def for_policy(cls, policy, n_envs: int, episode_len: int) -> ChunkSpec:
         s = policy.spec
         return cls(image_shape=tuple(s.image_shape), proprio_dim=s.proprio_dim, action_dim=s.action_dim,
                    action_chunk=s.action_chunk, n_envs=n_envs, max_steps=episode_len,
-                   vocab_size=getattr(policy.tokenizer, "vocab_size", None))
+                   vocab_size=getattr(policy.tokenizer, "vocab_size", None),
+                   max_tokens=getattr(policy.tokenizer, "max_len", 64))
 
     def shapes(self, t: int, max_tokens: int) -> dict[str, tuple[int, ...]]:
         b = self.n_envs
@@ -47,22 +51,15 @@ class ChunkSpec:
                 "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens),
                 "action_valid": (t, b, self.action_chunk), "action_log_probs": (t, b, self.action_chunk, self.action_dim)}
 
-    def tensor_bytes(self, max_tokens: int) -> dict[str, int]:
-        """Bytes of each tensor of the largest legal chunk (instructions of ``max_tokens``)."""
-        sizes = {"image": 1, "instruction_ids": 8, "policy_version": 8, "group_ids": 8, "terminated": 1,
-                 "truncated": 1, "valid": 1, "success": 1, "action_valid": 1}
-        out = {}
-        for name, shape in self.shapes(self.max_steps, max_tokens).items():
-            n = 1
-            for d in shape:
-                n *= d
-            out[name] = n * sizes.get(name, 4)
-        return out
+    def tensor_bytes(self) -> dict[str, int]:
+        """Bytes of each tensor of the largest legal chunk (the data plane's dtypes)."""
+        return {name: math.prod(shape) * DTYPES.get(name, torch.float32).itemsize
+                for name, shape in self.shapes(self.max_steps, self.max_tokens).items()}
 
-    def message_limits(self, max_tokens: int) -> tuple[int, int]:
+    def message_limits(self) -> tuple[int, int]:
         """``(max_message_bytes, max_frame_bytes)`` for the data plane: the largest legal
         chunk and its largest tensor, each plus an eighth and 64 KiB."""
-        sizes = self.tensor_bytes(max_tokens)
+        sizes = self.tensor_bytes()
         total, largest = sum(sizes.values()), max(sizes.values())
         return total + total // 8 + (64 << 10), largest + largest // 8 + (64 << 10)
 

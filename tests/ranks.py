@@ -113,3 +113,23 @@ def ordered_lanes(rank: int, order, learners, control, iterations: int, device: 
     if errors:
         raise errors[0]
     return seq
+
+
+def torchrun_workers(agent_pid: int) -> dict[int, int]:
+    """The worker processes a torchrun agent started: global rank -> pid (from each child's
+    ``RANK`` environment variable)."""
+    from pathlib import Path
+
+    out = {}
+    for child in Path("/proc").iterdir():
+        if not child.name.isdigit():
+            continue
+        try:
+            ppid = int((child / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            env = (child / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
+        if ppid == agent_pid and ranks:
+            out[ranks[0]] = int(child.name)
+    return out

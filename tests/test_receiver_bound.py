@@ -21,7 +21,6 @@ cfg = DataPlaneConfig(transport="tcp", recv_hwm=1, **args)
 with TrajectoryReceiver(cfg) as rx:  # nobody consumes: backpressure, as during a long update
     print(json.dumps({"endpoints": rx.endpoints, "pid": os.getpid()}), flush=True)
     sys.stdin.readline()
-    rx._count_refused()
     print(json.dumps({"rejected": dict(rx.counters.rejected), "received": rx.counters.received}), flush=True)
 """
 
@@ -112,7 +111,7 @@ def test_a_job_bounds_its_receiver_by_its_largest_chunk():
     env = make_env(cfg.env, torch.device("cpu"), seed=0)
     policy = build_policy(cfg.policy.name, PolicySpec.for_env(env.spec, cfg.policy.action_chunk), cfg.policy.options)
     spec = ChunkSpec.for_policy(policy, cfg.env.n_envs, cfg.env.episode_len)
-    max_msg, max_frame = spec.message_limits(policy.tokenizer.max_len)
+    max_msg, max_frame = spec.message_limits()
     frames = encode("chunk", collect_episodes(env, policy, cfg.env.episode_len).to_dict(), {"sender": "r", "seq": 0})
     size = sum(len(memoryview(f)) for f in frames)
     assert size <= max_msg <= 2 * size + (128 << 10)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ranks import torchrun_workers
 
 from dvla.checkpoint import CheckpointManager
 from dvla.config import ConfigError, apply_overrides
@@ -106,19 +107,10 @@ def _torchrun_and_kill(tmp_path: Path, victim: int, at_iter: int, iterations: in
 
 
 def _pid_of_rank(agent_pid: int, rank: int) -> int:
-    """The worker process torchrun started for ``rank`` (its environment says RANK=rank)."""
-    for child in Path("/proc").iterdir():
-        if not child.name.isdigit():
-            continue
-        try:
-            stat = (child / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            env = (child / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if ppid == agent_pid and f"RANK={rank}".encode() in env:
-            return int(child.name)
-    raise AssertionError(f"no worker with RANK={rank} under torchrun pid {agent_pid}")
+    """The worker process torchrun started for ``rank``."""
+    pid = torchrun_workers(agent_pid).get(rank)
+    assert pid is not None, f"no worker with RANK={rank} under torchrun pid {agent_pid}"
+    return pid
 
 
 def test_killed_rollout_rank_restarts_resumes_and_counts_the_loss(tmp_path):

@@ -15,7 +15,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from ranks import torchrun_workers
 
 from dvla.metrics import read_metrics
 
@@ -99,22 +100,6 @@ def test_two_hosts_train_over_a_real_link(two_hosts, tmp_path):
     assert last > first + 0.2, (first, last)
 
 
-def _workers_of(agent_pid: int) -> list[int]:
-    """The worker processes a torchrun agent started (its children that have a RANK)."""
-    out = []
-    for child in Path("/proc").iterdir():
-        if not child.name.isdigit():
-            continue
-        try:
-            ppid = int((child / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            env = (child / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if ppid == agent_pid and any(e.startswith(b"RANK=") for e in env):
-            out.append(int(child.name))
-    return out
-
-
 def test_killing_one_hosts_ranks_restarts_and_resumes_across_both(two_hosts, tmp_path):
     """SIGKILL both ranks of host b mid-run: both agents restart their workers (c10d
     rendezvous), the job resumes from rank 0's last checkpoint on both hosts and finishes."""
@@ -135,7 +120,7 @@ def test_killing_one_hosts_ranks_restarts_and_resumes_across_both(two_hosts, tmp
         while not killed and time.monotonic() < deadline and all(p.poll() is None for p in procs):
             time.sleep(0.2)
             if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-                killed = _workers_of(procs[1].pid)  # host b's agent
+                killed = list(torchrun_workers(procs[1].pid).values())  # host b's agent's
                 for pid in killed:
                     os.kill(pid, signal.SIGKILL)
         rcs = [p.wait(timeout=300) for p in procs]
@@ -173,7 +158,6 @@ with TrajectoryReceiver(cfg, peers_elsewhere=True, rendezvous=sys.argv[3]) as rx
             got.append(msg.sender)
     sys.stdin.readline()  # the intruder has tried
     time.sleep(0.5)
-    rx._count_refused()
     print(json.dumps({"got": got, "rejected": dict(rx.counters.rejected)}), flush=True)
 """
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dvla.algos.base import Algorithm
-from dvla.algos.losses import group_normalized_advantages, kl_k3
+from dvla.algos.losses import group_normalized_advantages, kl_k3, masked_mean
 from dvla.types import Observation, RolloutBatch
 
 
@@ -39,6 +39,5 @@ class GRPO(Algorithm):
         obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
         with torch.no_grad():
             ref_lp = self.reference.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio).log_probs
-        k3, mask = kl_k3(out.log_probs, ref_lp), self._mask(mb, out.log_probs)
-        kl = k3.mean() if mask is None else (k3 * mask).sum() / mask.sum().clamp(min=1)
+        kl = masked_mean(kl_k3(out.log_probs, ref_lp), self._mask(mb, out.log_probs))
         return self.cfg.kl_coef * kl, {"kl_ref": kl.detach()}

@@ -9,6 +9,14 @@ import torch
 from torch import Tensor
 
 
+def masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
+    """Mean of the entries of ``x`` where ``mask`` is true (all of them for None)."""
+    if mask is None:
+        return x.mean()
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
 def clipped_policy_loss(
     new_log_probs: Tensor,
     prox_log_probs: Tensor,
@@ -36,10 +44,7 @@ def clipped_policy_loss(
     advantages = advantages.reshape(-1, *([1] * (new_log_probs.dim() - 1)))
 
     def mean(x: Tensor) -> Tensor:
-        if mask is None:
-            return x.mean()
-        m = mask.to(x.dtype)
-        return (x * m).sum() / m.sum().clamp(min=1.0)
+        return masked_mean(x, mask)
 
     log_ratio = new_log_probs - prox_log_probs
     ratio = log_ratio.exp()
