@@ -4,7 +4,6 @@ the packages above it (``dvla.config`` composes it into a job's configuration)."
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,8 +78,6 @@ class DataPlaneConfig:
         if self.curve_authorized_dir is not None:
             if not self.curve:
                 errs.append(("curve_authorized_dir", "needs curve=true"))
-            elif not os.path.isdir(self.curve_authorized_dir):
-                errs.append(("curve_authorized_dir", f"{self.curve_authorized_dir!r} is not a directory"))
         if not 0 < self.heartbeat_s < self.peer_timeout_s:
             errs.append(("heartbeat_s", f"must be > 0 and below peer_timeout_s ({self.peer_timeout_s}), "
                                         f"got {self.heartbeat_s}"))

@@ -17,14 +17,25 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from planes.config import DataPlaneConfigError
+
 _ENDPOINT = "inproc://zeromq.zap.01"
 
 
 def load_public_keys(directory: str | Path) -> set[bytes]:
-    """The z85 public keys of the ``*.key`` files in ``directory``."""
+    """The z85 public keys of the ``*.key`` files in ``directory``. Read where it is used
+    (a learner's receiver), so hosts that only send need not have it. A missing or empty
+    directory is an error: it would refuse every rank."""
+    files = sorted(Path(directory).glob("*.key")) if Path(directory).is_dir() else []
+    if not files:
+        raise DataPlaneConfigError(f"data_plane.curve_authorized_dir: no public keys (*.key) in {directory}; "
+                                   f"make them with `dvla keys DIR --ranks N` and use DIR/public")
     keys = set()
-    for path in sorted(Path(directory).glob("*.key")):
-        public, _ = zmq.auth.load_certificate(path)
+    for path in files:
+        try:
+            public, _ = zmq.auth.load_certificate(path)
+        except (OSError, ValueError) as exc:
+            raise DataPlaneConfigError(f"data_plane.curve_authorized_dir: cannot read {path}: {exc}") from None
         keys.add(public)
     return keys
 

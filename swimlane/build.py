@@ -219,7 +219,7 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
         try:
             receiver = TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{rank}", peers_elsewhere=elsewhere,
                                           rendezvous=os.environ.get("MASTER_ADDR"))
-        except AddressError as exc:
+        except (AddressError, DataPlaneConfigError) as exc:
             raise ConfigError(str(exc)) from None
         source = RemoteChunkSource(receiver)
         expected = [f"rank{r}" for r in senders]

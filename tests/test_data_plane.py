@@ -395,3 +395,14 @@ def test_socket_files_of_dead_processes_are_removed(tmp_path):
         path = rx.endpoints["ipc"][len("ipc://"):]
         assert os.path.basename(path).startswith(f"dvla-{os.getpid()}-") and os.path.exists(path)
     assert not os.path.exists(path)
+
+
+def test_an_authorised_key_directory_without_keys_is_a_clear_error(tmp_path):
+    from planes.config import DataPlaneConfigError
+
+    (tmp_path / "empty").mkdir()
+    for where in (tmp_path / "empty", tmp_path / "missing"):
+        cfg = DataPlaneConfig(transport="tcp", curve=True, curve_authorized_dir=str(where))
+        with pytest.raises(DataPlaneConfigError, match=r"data_plane.curve_authorized_dir: no public keys \(\*\.key\) "
+                                                       r"in .*dvla keys"):
+            TrajectoryReceiver(cfg)
