@@ -2,18 +2,55 @@
 
 A policy head returns one of these; ``log_prob`` and ``entropy`` are summed over the
 chunk and action dimensions so that one decision has one log-probability.
+
+A head whose actions come out of a longer sampling process (action tokens decoded one by
+one, a denoising chain) returns what that process drew beside the actions as *extras*
+(:meth:`ActionDistribution.draw`); they travel with the rollout, and the learner passes
+them back to ``log_prob_elements``/``log_prob``/``entropy`` so that the head scores
+exactly what was sampled. Heads without extras ignore the argument.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+Extras = dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class ExtraSpec:
+    """One per-decision tensor a head records beside its actions (shape without the batch)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    high: int | None = None  # integer extras (token ids) lie in [0, high): the learner rejects others
+
+
+@dataclass
+class Draw:
+    """What one sampling pass produced."""
+
+    actions: Tensor  # (B, K, D)
+    log_prob: Tensor  # (B,)
+    elements: Tensor | None = None  # (B, K, D), where the head factorises per dimension
+    extras: Extras = field(default_factory=dict)  # name -> (B, ...)
+
 
 class ActionDistribution:
     """Interface every policy head returns."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in ("log_prob_elements", "log_prob", "entropy"):
+            method = cls.__dict__.get(name)
+            if method is not None and "extras" not in inspect.signature(method).parameters:
+                raise TypeError(f"{cls.__qualname__}.{name} must accept `extras=None` (what draw() recorded "
+                                f"beside the actions; ignore it if the head records none)")
 
     def sample(self, generator: torch.Generator | None = None) -> Tensor:  # (B, K, D)
         raise NotImplementedError
@@ -21,19 +58,29 @@ class ActionDistribution:
     def mode(self) -> Tensor:  # (B, K, D)
         raise NotImplementedError
 
-    def log_prob_elements(self, actions: Tensor) -> Tensor | None:  # (B, K, D)
+    def draw(self, deterministic: bool = False, generator: torch.Generator | None = None) -> Draw:
+        """Actions with their log-probs (and extras) in one pass: what the rollout calls.
+        The default samples (or takes the mode) and scores the result; a head that gets
+        the log-probs while sampling (autoregressive tokens, a noisy denoising chain)
+        overrides this instead of paying for a second pass."""
+        actions = self.mode() if deterministic else self.sample(generator)
+        elements = self.log_prob_elements(actions)
+        log_prob = elements.sum(dim=(1, 2)) if elements is not None else self.log_prob(actions)
+        return Draw(actions, log_prob, elements)
+
+    def log_prob_elements(self, actions: Tensor, extras: Extras | None = None) -> Tensor | None:  # (B, K, D)
         """Log-prob of every action dimension of every chunk step, where the head factorises
         that way (per-step and per-dimension ratios, masking actions after an episode's end
         inside a chunk need it); None where it does not."""
         return None
 
-    def log_prob(self, actions: Tensor) -> Tensor:  # (B,)
-        elements = self.log_prob_elements(actions)
+    def log_prob(self, actions: Tensor, extras: Extras | None = None) -> Tensor:  # (B,)
+        elements = self.log_prob_elements(actions, extras)
         if elements is None:
             raise NotImplementedError(f"{type(self).__name__} implements neither log_prob nor log_prob_elements")
         return elements.sum(dim=(1, 2))
 
-    def entropy(self) -> Tensor:  # (B,)
+    def entropy(self, extras: Extras | None = None) -> Tensor:  # (B,)
         raise NotImplementedError
 
 
@@ -63,11 +110,11 @@ class BinnedActionDistribution(ActionDistribution):
     def mode(self) -> Tensor:
         return self._to_actions(self.logits.argmax(-1))
 
-    def log_prob_elements(self, actions: Tensor) -> Tensor:
+    def log_prob_elements(self, actions: Tensor, extras: Extras | None = None) -> Tensor:
         idx = self._to_bins(actions).unsqueeze(-1)
         return self._log_p.gather(-1, idx).squeeze(-1)
 
-    def entropy(self) -> Tensor:
+    def entropy(self, extras: Extras | None = None) -> Tensor:
         return -(self._log_p.exp() * self._log_p).sum(-1).sum(dim=(1, 2))
 
 
@@ -86,10 +133,10 @@ class GaussianActionDistribution(ActionDistribution):
     def mode(self) -> Tensor:
         return self.mean
 
-    def log_prob_elements(self, actions: Tensor) -> Tensor:
+    def log_prob_elements(self, actions: Tensor, extras: Extras | None = None) -> Tensor:
         z = (actions - self.mean) * torch.exp(-self.log_std)
         return -0.5 * z.pow(2) - self.log_std - 0.5 * math.log(2 * math.pi)
 
-    def entropy(self) -> Tensor:
+    def entropy(self, extras: Extras | None = None) -> Tensor:
         ent = 0.5 + 0.5 * math.log(2 * math.pi) + self.log_std
         return ent.sum(dim=(1, 2))

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from dvla.config import ConfigError, from_dict, validate
-from dvla.distributions import ActionDistribution
+from dvla.distributions import ActionDistribution, ExtraSpec
 from dvla.types import Observation
 
 
@@ -58,6 +58,14 @@ class ActOutput:
     log_probs: Tensor  # (B,)
     values: Tensor  # (B,) zeros when the policy has no value head
     log_prob_elements: Tensor | None = None  # (B, K, D) where the head factorises per dimension
+    extras: dict[str, Tensor] = dataclasses.field(default_factory=dict)  # name -> (B, ...), see rollout_extras
+
+    def rows(self, start: int, stop: int) -> "ActOutput":
+        """The decisions of envs ``start:stop`` of the batch."""
+        el = self.log_prob_elements
+        return ActOutput(actions=self.actions[start:stop], log_probs=self.log_probs[start:stop],
+                         values=self.values[start:stop], log_prob_elements=el[start:stop] if el is not None else None,
+                         extras={k: v[start:stop] for k, v in self.extras.items()})
 
 
 @dataclass
@@ -128,7 +136,8 @@ class VLAPolicy(nn.Module, ABC):
                 + " (pass abstract=True in the class statement for an intermediate base)"
             )
 
-    _API = ("forward", "prepare", "act", "evaluate", "value", "estimate_value", "optim_groups", "device")
+    _API = ("forward", "prepare", "act", "evaluate", "value", "estimate_value", "optim_groups", "rollout_extras",
+            "device")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # nn.Module keeps a submodule in ``_modules``, where attribute lookup never reaches a
@@ -169,6 +178,14 @@ class VLAPolicy(nn.Module, ABC):
         reach the optimizer."""
         return None
 
+    def rollout_extras(self) -> dict[str, ExtraSpec]:
+        """What the head's :meth:`~dvla.distributions.ActionDistribution.draw` records beside
+        each decision's actions (e.g. ``{"action_tokens": ExtraSpec((K * D,), torch.int64)}``).
+        The rollout stores them per step, the data plane carries them with the chunk (the
+        learner checks their shapes against this), and the learner passes them back to the
+        distribution's ``log_prob_elements`` and ``entropy``. Default: none."""
+        return {}
+
     # -- provided --------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -194,24 +211,28 @@ class VLAPolicy(nn.Module, ABC):
         under this policy and value estimates."""
         obs = self.prepare(obs)
         out = self(obs)
-        actions = out.dist.mode() if deterministic else out.dist.sample(generator)
+        draw = out.dist.draw(deterministic, generator)
         values = self._value(out, obs)
         if values is None:
-            values = torch.zeros(actions.shape[0], device=actions.device)
-        elements = out.dist.log_prob_elements(actions)  # one pass: the joint log-prob is their sum
-        log_probs = elements.sum(dim=(1, 2)) if elements is not None else out.dist.log_prob(actions)
-        return ActOutput(actions=actions, log_probs=log_probs, values=values, log_prob_elements=elements)
+            values = torch.zeros(draw.actions.shape[0], device=draw.actions.device)
+        want = self.rollout_extras()
+        if draw.extras.keys() != want.keys():
+            raise RuntimeError(f"{type(self).__qualname__}: the head drew extras {sorted(draw.extras)}, "
+                               f"rollout_extras() declares {sorted(want)}")
+        return ActOutput(actions=draw.actions, log_probs=draw.log_prob, values=values,
+                         log_prob_elements=draw.elements, extras=draw.extras)
 
     def evaluate(self, obs: Observation, actions: Tensor, action_valid: Tensor | None = None,
-                 ratio: str = "joint") -> EvalOutput:
+                 ratio: str = "joint", extras: dict[str, Tensor] | None = None) -> EvalOutput:
         """Log-probs and entropy of given actions, with gradients (learning path).
         ``action_valid`` (B, K) leaves out the actions of a chunk the env did not apply (the
         episode had ended); ``ratio`` is the granularity of the log-probs: ``joint`` (B,),
-        ``step`` (B, K) or ``dim`` (B, K, D) (see :func:`chunk_log_probs`)."""
+        ``step`` (B, K) or ``dim`` (B, K, D) (see :func:`chunk_log_probs`); ``extras``: what
+        the rollout recorded beside the actions (:meth:`rollout_extras`)."""
         obs = self.prepare(obs)
         out = self(obs)
-        return EvalOutput(log_probs=chunk_log_probs(out.dist, actions, action_valid, ratio),
-                          entropy=out.dist.entropy(), values=self._value(out, obs))
+        return EvalOutput(log_probs=chunk_log_probs(out.dist, actions, action_valid, ratio, extras),
+                          entropy=out.dist.entropy(extras), values=self._value(out, obs))
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor:
@@ -220,16 +241,18 @@ class VLAPolicy(nn.Module, ABC):
         return value if value is not None else torch.zeros(obs.batch_size, device=self.device)
 
 
-def chunk_log_probs(dist, actions: Tensor, action_valid: Tensor | None, ratio: str = "joint") -> Tensor:
-    """Log-probs of ``actions`` under ``dist`` at the granularity of ``algo.ratio``: the whole
-    chunk (``joint``, (B,)), each chunk step (``step``, (B, K)) or each action dimension
-    (``dim``, (B, K, D)); actions with ``action_valid`` false count for nothing."""
-    elements = dist.log_prob_elements(actions)
+def chunk_log_probs(dist, actions: Tensor, action_valid: Tensor | None, ratio: str = "joint",
+                    extras: dict[str, Tensor] | None = None) -> Tensor:
+    """Log-probs of ``actions`` (drawn with ``extras``) under ``dist`` at the granularity of
+    ``algo.ratio``: the whole chunk (``joint``, (B,)), each chunk step (``step``, (B, K)) or
+    each action dimension (``dim``, (B, K, D)); actions with ``action_valid`` false count for
+    nothing."""
+    elements = dist.log_prob_elements(actions, extras)
     if elements is None:
         if ratio != "joint":
             raise ValueError(f"algo.ratio={ratio} needs per-dimension log-probs, and "
                              f"{type(dist).__name__} has no log_prob_elements: use algo.ratio=joint")
-        return dist.log_prob(actions)
+        return dist.log_prob(actions, extras)
     if action_valid is not None:
         elements = elements * action_valid.unsqueeze(-1).to(elements.dtype)
     if ratio == "joint":

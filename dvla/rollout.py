@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dvla.envs.base import BatchedEnv
-from dvla.policy import ActOutput, VLAPolicy
+from dvla.policy import ActOutput, ExtraSpec, VLAPolicy
 from dvla.types import Observation, RolloutBatch, StepResult
 
 
@@ -37,9 +37,11 @@ class EpisodeRecorder:
     """
 
     def __init__(self, env: BatchedEnv, action_chunk: int, episode_len: int,
-                 alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None):
+                 alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
+                 extras: dict[str, ExtraSpec] | None = None):
         """``alloc(shape, dtype)`` provides the buffers (e.g. a transient-pool lease's
-        ``empty``); they are zeroed here. Default: plain ``torch.empty``."""
+        ``empty``); they are zeroed here. Default: plain ``torch.empty``. ``extras``: what
+        the policy records beside its actions (:meth:`VLAPolicy.rollout_extras`)."""
         self.b = env.n_envs
         self.t_len = episode_len
         t_len, b = episode_len, self.b
@@ -60,6 +62,7 @@ class EpisodeRecorder:
         self.truncated = zeros(t_len, b, dtype=torch.bool)
         self.valid = zeros(t_len, b, dtype=torch.bool)
         self.policy_version = zeros(t_len, b, dtype=torch.long)
+        self.extras = {k: zeros(t_len, b, *e.shape, dtype=e.dtype) for k, e in (extras or {}).items()}
         self.done = torch.zeros(b, dtype=torch.bool)
         self.success = torch.zeros(b, dtype=torch.bool)
         self.t = 0
@@ -95,6 +98,8 @@ class EpisodeRecorder:
         else:
             self.log_probs[t] = out.log_probs.cpu()
         self.values[t] = out.values.cpu()
+        for k, buf in self.extras.items():
+            buf[t] = out.extras[k].cpu()
         self.policy_version[t] = version
         self.rewards[t] = res.reward.cpu() * live
         self.terminated[t] = res.terminated.cpu() & live
@@ -116,7 +121,7 @@ class EpisodeRecorder:
             log_probs=self.log_probs, values=self.values, rewards=self.rewards, terminated=self.terminated,
             truncated=self.truncated, valid=self.valid, policy_version=self.policy_version,
             success=self.success, group_ids=group_ids, action_valid=self.action_valid,
-            action_log_probs=self.action_log_probs,
+            action_log_probs=self.action_log_probs, extras=dict(self.extras),
         )
 
 
@@ -139,7 +144,7 @@ def collect_episodes(
     """
     times = times if times is not None else RolloutTimes()
     policy.eval()
-    rec = EpisodeRecorder(env, policy.spec.action_chunk, episode_len)
+    rec = EpisodeRecorder(env, policy.spec.action_chunk, episode_len, extras=policy.rollout_extras())
     t0 = time.perf_counter()
     obs = env.reset(group_size)
     times.sim_s += time.perf_counter() - t0

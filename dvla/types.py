@@ -9,7 +9,7 @@ tensors and sent over the data plane without pickling.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -83,6 +83,11 @@ class RolloutBatch:
     action_valid: Tensor  # (T, B, K) bool: the chunk's actions the env applied before the episode ended
     action_log_probs: Tensor  # (T, B, K, D) float32: behaviour log-prob per action dimension (masked; 0 when the
     # head does not factorise per dimension)
+    extras: dict[str, Tensor] = field(default_factory=dict)
+    """What the policy's head recorded beside each action (``(T, B, ...)`` per name, as
+    :meth:`dvla.policy.VLAPolicy.rollout_extras` declares): sampled action tokens, a
+    denoising chain. The learner hands them back to the head, which scores exactly what
+    was sampled."""
 
     @property
     def num_steps(self) -> int:
@@ -96,7 +101,20 @@ class RolloutBatch:
         return (self.rewards * self.valid).sum(0)
 
     def to_dict(self) -> dict[str, Tensor]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """Every tensor by name, extras as ``extras.<name>`` (how a chunk travels)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extras"}
+        out.update({EXTRAS_PREFIX + k: v for k, v in self.extras.items()})
+        return out
+
+    @classmethod
+    def from_dict(cls, tensors: dict[str, Tensor]) -> "RolloutBatch":
+        """The inverse of :meth:`to_dict` (no checks: see ``swimlane.chunks.batch_from_tensors``)."""
+        n = len(EXTRAS_PREFIX)
+        return cls(**{k: v for k, v in tensors.items() if not k.startswith(EXTRAS_PREFIX)},
+                   extras={k[n:]: v for k, v in tensors.items() if k.startswith(EXTRAS_PREFIX)})
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
-        return RolloutBatch(**{k: v.to(device) for k, v in self.to_dict().items()})
+        return RolloutBatch.from_dict({k: v.to(device) for k, v in self.to_dict().items()})
+
+
+EXTRAS_PREFIX = "extras."

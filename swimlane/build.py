@@ -195,13 +195,14 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc) -
 
 
 def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: int, placement: Placement,
-                     topology: Topology, limits: tuple[int, int] | None = None):
+                     topology: Topology, limits: tuple[int, int] | None = None, extras: dict | None = None):
     """``(source, sink, expected_senders)``: a local queue in one process; otherwise every
     learner rank binds a receiver (its tcp endpoint where its senders on other hosts can
     reach it) and each rollout rank sends to the learner (and over the transport) its
     placement says. ``limits``: the largest legal message and frame of this job
     (:meth:`swimlane.validate.ChunkSpec.message_limits`); the receiver refuses bigger ones
-    (never above what ``dp`` allows)."""
+    (never above what ``dp`` allows). ``extras``: the policy's ``rollout_extras()``, which
+    every chunk carries."""
     if world == 1:
         chunks = LocalChunks(sl.queue_size)
         return chunks, chunks, []
@@ -221,7 +222,7 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
                                           rendezvous=os.environ.get("MASTER_ADDR"))
         except (AddressError, DataPlaneConfigError) as exc:
             raise ConfigError(str(exc)) from None
-        source = RemoteChunkSource(receiver)
+        source = RemoteChunkSource(receiver, extras)
         expected = [f"rank{r}" for r in senders]
     if rank in placement.rollout:
         endpoints = lookup_endpoints(store, key=f"dvla/data/{placement.routes[rank]}")

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from dvla.types import RolloutBatch
+from dvla.types import EXTRAS_PREFIX, RolloutBatch
 from planes.data import TrajectoryReceiver, TrajectorySender
 from swimlane.channels import Chunk, LocalChannel
 
 CHUNK_KIND = "chunk"
 END_KIND = "end"
-FIELDS = {f.name: f for f in dataclasses.fields(RolloutBatch)}
+FIELDS = {f.name: f for f in dataclasses.fields(RolloutBatch) if f.name != "extras"}
 DTYPES = {"image": torch.uint8, "instruction_ids": torch.int64, "policy_version": torch.int64,
            "group_ids": torch.int64, "terminated": torch.bool, "truncated": torch.bool, "valid": torch.bool,
            "success": torch.bool, "action_valid": torch.bool}
@@ -37,14 +37,19 @@ class ChunkError(ValueError):
     """A received chunk does not describe a valid RolloutBatch."""
 
 
-def batch_from_tensors(tensors: dict[str, torch.Tensor]) -> RolloutBatch:
-    """Check names, dtypes and shapes of received tensors and build the batch."""
-    missing = FIELDS.keys() - tensors.keys()
-    extra = tensors.keys() - FIELDS.keys()
+def batch_from_tensors(tensors: dict[str, torch.Tensor], extras: dict[str, Any] | None = None) -> RolloutBatch:
+    """Check names, dtypes and shapes of received tensors and build the batch. ``extras``:
+    the policy's ``rollout_extras()`` (name -> ExtraSpec); its tensors travel as
+    ``extras.<name>``, each ``(T, B, *shape)``."""
+    extras = extras or {}
+    names = FIELDS.keys() | {EXTRAS_PREFIX + k for k in extras}
+    missing = names - tensors.keys()
+    extra = tensors.keys() - names
     if missing or extra:
         raise ChunkError(f"chunk fields: missing {sorted(missing)}, unexpected {sorted(extra)}")
     for name, t in tensors.items():
-        want = DTYPES.get(name, torch.float32)
+        spec = extras.get(name[len(EXTRAS_PREFIX):]) if name.startswith(EXTRAS_PREFIX) else None
+        want = spec.dtype if spec is not None else DTYPES.get(name, torch.float32)
         if t.dtype != want:
             raise ChunkError(f"chunk field {name}: dtype {t.dtype}, expected {want}")
     t_len, b = tensors["rewards"].shape if tensors["rewards"].dim() == 2 else (-1, -1)
@@ -52,10 +57,11 @@ def batch_from_tensors(tensors: dict[str, torch.Tensor]) -> RolloutBatch:
             "rewards": (t_len, b), "terminated": (t_len, b), "truncated": (t_len, b), "valid": (t_len, b),
             "policy_version": (t_len, b), "values": (t_len + 1, b), "success": (b,), "group_ids": (b,),
             "instruction_ids": (b,), "action_valid": (t_len, b), "action_log_probs": (t_len, b)}
+    lead.update({EXTRAS_PREFIX + k: (t_len, b, *e.shape) for k, e in extras.items()})
     for name, shape in lead.items():
         if t_len < 0 or tuple(tensors[name].shape[: len(shape)]) != shape:
             raise ChunkError(f"chunk field {name}: shape {tuple(tensors[name].shape)} does not start with {shape}")
-    return RolloutBatch(**tensors)
+    return RolloutBatch.from_dict(tensors)
 
 
 def concat(batches: list[RolloutBatch]) -> RolloutBatch:
@@ -63,9 +69,9 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     if len(batches) == 1:
         return batches[0]
     per_env = {"success", "group_ids", "instruction_ids"}
-    return RolloutBatch(**{
-        name: torch.cat([getattr(b, name) for b in batches], dim=0 if name in per_env else 1)
-        for name in FIELDS
+    parts = [b.to_dict() for b in batches]
+    return RolloutBatch.from_dict({
+        name: torch.cat([p[name] for p in parts], dim=0 if name in per_env else 1) for name in parts[0]
     })
 
 
@@ -96,8 +102,9 @@ class RemoteChunkSink:
 class RemoteChunkSource:
     """Learner side of the data plane; invalid chunks are counted and skipped."""
 
-    def __init__(self, receiver: TrajectoryReceiver):
-        self.receiver = receiver
+    def __init__(self, receiver: TrajectoryReceiver, extras: dict[str, Any] | None = None):
+        """``extras``: the policy's ``rollout_extras()``, the extra tensors a chunk must carry."""
+        self.receiver, self.extras = receiver, extras or {}
         self.ended: dict[str, int] = {}  # sender -> chunks it says it sent in all
         self.received: collections.Counter = collections.Counter()  # sender -> chunk messages
         self.invalid = 0
@@ -114,7 +121,7 @@ class RemoteChunkSource:
         try:
             if msg.kind != CHUNK_KIND:
                 raise ChunkError(f"unexpected message kind {msg.kind!r}")
-            return Chunk(batch_from_tensors(msg.tensors), msg.meta, None)
+            return Chunk(batch_from_tensors(msg.tensors, self.extras), msg.meta, None)
         except ChunkError as exc:
             self.invalid += 1
             self.receiver.counters.rejected["invalid_chunk"] += 1

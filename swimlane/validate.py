@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dvla.types import RolloutBatch
+from dvla.types import EXTRAS_PREFIX, RolloutBatch
 from swimlane.chunks import DTYPES
 
-REASONS = ("shape", "instruction_ids", "non_finite", "version")
+REASONS = ("shape", "instruction_ids", "non_finite", "version", "extras")
 """Why a chunk was rejected; the ledger counts ``rejected_<reason>``."""
 
 
@@ -34,6 +34,8 @@ class ChunkSpec:
     max_steps: int  # decisions per episode, at most
     vocab_size: int | None = None  # instruction ids lie in [0, vocab_size)
     max_tokens: int = 64  # instruction ids per episode, at most (for the size bound)
+    extras: tuple[tuple[str, tuple[int, ...], torch.dtype, int | None], ...] = ()
+    """(name, shape, dtype, high) of each of the policy's ``rollout_extras()``."""
 
     @classmethod
     def for_policy(cls, policy, n_envs: int, episode_len: int) -> ChunkSpec:
@@ -41,7 +43,8 @@ class ChunkSpec:
         return cls(image_shape=tuple(s.image_shape), proprio_dim=s.proprio_dim, action_dim=s.action_dim,
                    action_chunk=s.action_chunk, n_envs=n_envs, max_steps=episode_len,
                    vocab_size=getattr(policy.tokenizer, "vocab_size", None),
-                   max_tokens=getattr(policy.tokenizer, "max_len", 64))
+                   max_tokens=getattr(policy.tokenizer, "max_len", 64),
+                   extras=tuple((k, tuple(e.shape), e.dtype, e.high) for k, e in policy.rollout_extras().items()))
 
     def shapes(self, t: int, max_tokens: int) -> dict[str, tuple[int, ...]]:
         b = self.n_envs
@@ -49,11 +52,16 @@ class ChunkSpec:
                 "actions": (t, b, self.action_chunk, self.action_dim), "log_probs": (t, b), "values": (t + 1, b),
                 "rewards": (t, b), "terminated": (t, b), "truncated": (t, b), "valid": (t, b),
                 "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens),
-                "action_valid": (t, b, self.action_chunk), "action_log_probs": (t, b, self.action_chunk, self.action_dim)}
+                "action_valid": (t, b, self.action_chunk), "action_log_probs": (t, b, self.action_chunk, self.action_dim),
+                **{EXTRAS_PREFIX + name: (t, b, *shape) for name, shape, _, _ in self.extras}}
+
+    def dtype(self, name: str) -> torch.dtype:
+        extra = {EXTRAS_PREFIX + n: d for n, _, d, _ in self.extras}
+        return extra.get(name) or DTYPES.get(name, torch.float32)
 
     def tensor_bytes(self) -> dict[str, int]:
         """Bytes of each tensor of the largest legal chunk (the data plane's dtypes)."""
-        return {name: math.prod(shape) * DTYPES.get(name, torch.float32).itemsize
+        return {name: math.prod(shape) * self.dtype(name).itemsize
                 for name, shape in self.shapes(self.max_steps, self.max_tokens).items()}
 
     def message_limits(self) -> tuple[int, int]:
@@ -71,16 +79,25 @@ def check_chunk(batch: RolloutBatch, spec: ChunkSpec, learner_version: int) -> t
         return "shape", f"{t} steps, expected 1 to {spec.max_steps}"
     ids = batch.instruction_ids
     want = spec.shapes(t, ids.shape[1] if ids.dim() == 2 else -1)
+    tensors = batch.to_dict()
+    if tensors.keys() != want.keys():
+        return "shape", f"tensors {sorted(tensors.keys() ^ want.keys())} unexpected or missing"
     for name, shape in want.items():
-        got = tuple(getattr(batch, name).shape)
+        got = tuple(tensors[name].shape)
         if got != shape:
             return "shape", f"{name} has shape {got}, expected {shape}"
     if ids.numel() and (int(ids.min()) < 0 or (spec.vocab_size is not None and int(ids.max()) >= spec.vocab_size)):
         return "instruction_ids", (f"ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is "
                                    f"[0, {spec.vocab_size})")
-    for name in ("rewards", "log_probs", "values", "proprio", "actions", "action_log_probs"):
-        if not bool(torch.isfinite(getattr(batch, name)).all()):
+    floats = ["rewards", "log_probs", "values", "proprio", "actions", "action_log_probs"]
+    floats += [EXTRAS_PREFIX + n for n, _, d, _ in spec.extras if d.is_floating_point]
+    for name in floats:
+        if not bool(torch.isfinite(tensors[name]).all()):
             return "non_finite", f"{name} holds NaN or inf"
+    for name, _, dtype, high in spec.extras:
+        x = tensors[EXTRAS_PREFIX + name]
+        if high is not None and x.numel() and (int(x.min()) < 0 or int(x.max()) >= high):
+            return "extras", f"{name} holds values in [{int(x.min())}, {int(x.max())}], expected [0, {high})"
     if batch.valid.any():
         versions = batch.policy_version[batch.valid]
         lo, hi = int(versions.min()), int(versions.max())

@@ -28,9 +28,7 @@ def cfg_for(tmp_path, name, *overrides):
 def _along_t(b: RolloutBatch) -> RolloutBatch:
     """One step more than an episode may have."""
     per_env = {"success", "group_ids", "instruction_ids"}
-    return RolloutBatch(**{f.name: (getattr(b, f.name) if f.name in per_env
-                                    else torch.cat([getattr(b, f.name), getattr(b, f.name)[:1]]))
-                           for f in dataclasses.fields(RolloutBatch)})
+    return RolloutBatch.from_dict({k: (v if k in per_env else torch.cat([v, v[:1]])) for k, v in b.to_dict().items()})
 
 
 def _set(name, fn):
@@ -51,9 +49,8 @@ POISONS = {
     "action dim": ("shape", _set("actions", lambda t: torch.cat([t, t[..., :1]], dim=-1))),
     "action chunk": ("shape", _set("actions", lambda t: torch.cat([t, t[:, :, :1]], dim=2))),
     "episode length": ("shape", _along_t),
-    "envs per chunk": ("shape", lambda b: RolloutBatch(**{
-        f.name: getattr(b, f.name)[:-1] if f.name in ("success", "group_ids", "instruction_ids")
-        else getattr(b, f.name)[:, :-1] for f in dataclasses.fields(RolloutBatch)})),
+    "envs per chunk": ("shape", lambda b: RolloutBatch.from_dict({
+        k: v[:-1] if k in ("success", "group_ids", "instruction_ids") else v[:, :-1] for k, v in b.to_dict().items()})),
     "instruction id past the vocabulary": ("instruction_ids", _set("instruction_ids", lambda t: _write(t, 10**6))),
     "negative instruction id": ("instruction_ids", _set("instruction_ids", lambda t: _write(t, -3))),
     "NaN reward": ("non_finite", _set("rewards", lambda t: _write(t, float("nan")))),

@@ -96,7 +96,7 @@ def test_actions_after_the_end_inside_a_chunk_are_masked_in_the_behaviour_log_pr
 
 def test_a_head_without_per_dimension_log_probs_takes_only_the_joint_ratio():
     class Opaque(ActionDistribution):
-        def log_prob(self, actions):
+        def log_prob(self, actions, extras=None):
             return torch.zeros(actions.shape[0])
 
     a = torch.zeros(2, 3, 2)

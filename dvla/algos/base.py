@@ -34,9 +34,15 @@ from torch import Tensor
 from dvla.algos.losses import clipped_policy_loss
 from dvla.config import AlgoConfig
 from dvla.policy import VLAPolicy
-from dvla.types import Observation, RolloutBatch
+from dvla.types import EXTRAS_PREFIX, Observation, RolloutBatch
 
 _PROXIMAL_INPUTS = ("image", "proprio", "ids", "actions", "action_valid")
+
+
+def extras_of(mb: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The rollout extras of a flattened minibatch (``extras.<name>`` entries)."""
+    n = len(EXTRAS_PREFIX)
+    return {k[n:]: v for k, v in mb.items() if k.startswith(EXTRAS_PREFIX)}
 
 GradSync = Callable[[list[torch.nn.Parameter]], None]
 
@@ -103,6 +109,7 @@ class Algorithm(ABC):
             "adv": adv[t_idx, b_idx],
             "ret": ret[t_idx, b_idx],
             "old_value": batch.values[t_idx, b_idx],
+            **{EXTRAS_PREFIX + k: v[t_idx, b_idx] for k, v in batch.extras.items()},
         }
 
     def _behaviour(self, batch: RolloutBatch) -> Tensor:
@@ -130,8 +137,9 @@ class Algorithm(ABC):
         for s in range(0, data["actions"].shape[0], chunk):
             obs = Observation(image=data["image"][s : s + chunk], proprio=data["proprio"][s : s + chunk],
                               instruction_ids=data["ids"][s : s + chunk])
-            out.append(self.policy.evaluate(obs, data["actions"][s : s + chunk], data["action_valid"][s : s + chunk],
-                                            self.cfg.ratio).log_probs)
+            part = {k: v[s : s + chunk] for k, v in data.items()}
+            out.append(self.policy.evaluate(obs, part["actions"], part["action_valid"], self.cfg.ratio,
+                                            extras_of(part)).log_probs)
         return torch.cat(out)
 
     def update(self, batch: RolloutBatch, generator: torch.Generator | None = None,
@@ -169,7 +177,9 @@ class Algorithm(ABC):
                     else:
                         prox = data["behav_logp"].clone()
                         rows = stale.nonzero(as_tuple=True)[0]
-                        prox[rows] = self.proximal_log_probs({k: data[k][rows] for k in _PROXIMAL_INPUTS}, chunk)
+                        prox[rows] = self.proximal_log_probs(
+                            {k: v[rows] for k, v in data.items() if k in _PROXIMAL_INPUTS or k.startswith(EXTRAS_PREFIX)},
+                            chunk)
                         data["prox_logp"] = prox
         self.policy.train(self.cfg.train_mode)  # eval by default: the rollouts' mode (algo.train_mode)
         sums: dict[str, float] = {}
@@ -211,7 +221,7 @@ class Algorithm(ABC):
 
     def _step(self, mb: dict[str, Tensor]) -> dict[str, float]:
         obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
-        out = self.policy.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio)
+        out = self.policy.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio, extras_of(mb))
         mask = self._mask(mb, out.log_probs)
         if "prox_alpha" in mb:  # off-policy, proximal log-probs interpolated (algo.proximal=loglinear)
             behav = mb["behav_logp"]

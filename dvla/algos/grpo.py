@@ -13,7 +13,7 @@ import copy
 import torch
 from torch import Tensor
 
-from dvla.algos.base import Algorithm
+from dvla.algos.base import Algorithm, extras_of
 from dvla.algos.losses import group_normalized_advantages, kl_k3, masked_mean
 from dvla.types import Observation, RolloutBatch
 
@@ -38,6 +38,7 @@ class GRPO(Algorithm):
             return torch.zeros((), device=mb["adv"].device), {}
         obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
         with torch.no_grad():
-            ref_lp = self.reference.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio).log_probs
+            ref_lp = self.reference.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio,
+                                             extras_of(mb)).log_probs
         kl = masked_mean(kl_k3(out.log_probs, ref_lp), self._mask(mb, out.log_probs))
         return self.cfg.kl_coef * kl, {"kl_ref": kl.detach()}

@@ -3,7 +3,8 @@
 image ``(B, 3, H, W)`` -> conv stack -> spatial soft-argmax keypoints (where things are)
 instruction ids ``(B, L)`` -> embedding, mean over words -> FiLM scale/shift of the keypoints
 proprio ``(B, P)`` -> MLP
-concat -> MLP trunk -> action head (binned, OpenVLA-style, or Gaussian) and value head.
+concat -> MLP trunk -> action head (binned, OpenVLA-style; Gaussian; or a flow-matching
+head with noisy denoising steps, :mod:`dvla.heads.flow`) and value head.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from dvla.distributions import BinnedActionDistribution, GaussianActionDistribution
+from dvla.heads.flow import FlowMatchingHead
 from dvla.policy import HashTokenizer, PolicyOutput, PolicySpec, VLAPolicy, register_policy
 from dvla.types import Observation
 
@@ -41,10 +43,13 @@ class TinyVLA(VLAPolicy):
         embed_dim: int = 32
         vocab_size: int = 1024
         max_tokens: int = 16
-        head: Literal["bins", "gaussian"] = "bins"
+        head: Literal["bins", "gaussian", "flow"] = "bins"
         n_bins: int = 256
         """Bins per action dimension for the binned head."""
+        flow_steps: int = 4
+        """Denoising steps of the flow head."""
         init_log_std: float = -0.5
+        """Initial log standard deviation of the Gaussian head and of the flow head's noise."""
         value_head: bool = True
 
         def _validate(self) -> list[tuple[str, str]]:
@@ -56,6 +61,8 @@ class TinyVLA(VLAPolicy):
                 errs.append(("vocab_size", f"must be >= 2, got {self.vocab_size}"))
             if self.n_bins < 2:
                 errs.append(("n_bins", f"must be >= 2, got {self.n_bins}"))
+            if self.flow_steps < 1:
+                errs.append(("flow_steps", f"must be >= 1, got {self.flow_steps}"))
             return errs
 
     def __init__(self, spec: PolicySpec, config: "TinyVLA.Config"):
@@ -82,16 +89,21 @@ class TinyVLA(VLAPolicy):
             nn.Linear(vis_dim + config.embed_dim + h, h), nn.Tanh(), nn.Linear(h, h), nn.Tanh()
         )
         self.n_act = spec.action_chunk * spec.action_dim
-        if config.head == "bins":
-            self.action_head = nn.Linear(h, self.n_act * config.n_bins)
+        if config.head == "flow":
+            self.action_head = FlowMatchingHead(h, spec.action_chunk, spec.action_dim, hidden_dim=h,
+                                                steps=config.flow_steps, init_log_sigma=config.init_log_std)
         else:
-            self.action_head = nn.Linear(h, self.n_act)
+            self.action_head = nn.Linear(h, self.n_act * (config.n_bins if config.head == "bins" else 1))
+            # Start from a (near) uniform / centred action distribution.
+            nn.init.normal_(self.action_head.weight, std=0.01)
+            nn.init.zeros_(self.action_head.bias)
+        if config.head == "gaussian":
             self.log_std = nn.Parameter(torch.full((self.n_act,), float(config.init_log_std)))
-        # Start from a (near) uniform / centred action distribution.
-        nn.init.normal_(self.action_head.weight, std=0.01)
-        nn.init.zeros_(self.action_head.bias)
         self.value_head = nn.Linear(h, 1) if config.value_head else None
         self.has_value_head = config.value_head
+
+    def rollout_extras(self):
+        return self.action_head.rollout_extras() if self.config.head == "flow" else {}
 
     def forward(self, obs: Observation) -> PolicyOutput:
         img = obs.image.float() * (1.0 / 255.0) - 0.5
@@ -104,7 +116,9 @@ class TinyVLA(VLAPolicy):
         z = self.trunk(torch.cat([kp, lang, self.proprio(obs.proprio.float())], dim=-1))
         b = z.shape[0]
         k, d = self.spec.action_chunk, self.spec.action_dim
-        if self.config.head == "bins":
+        if self.config.head == "flow":
+            dist = self.action_head(z)
+        elif self.config.head == "bins":
             dist = BinnedActionDistribution(self.action_head(z).reshape(b, k, d, self.config.n_bins))
         else:
             mean = torch.tanh(self.action_head(z)).reshape(b, k, d)

@@ -7,7 +7,6 @@ from typing import Callable
 
 import torch
 
-from dvla.policy import ActOutput
 from dvla.types import Observation
 from swimlane.channels import Channel
 from swimlane.lanes.messages import Reply, Request
@@ -74,12 +73,6 @@ class InferenceLane:
         start = 0
         for r in batch:
             n = r.obs.batch_size
-            if kind == "act":
-                el = out.log_prob_elements
-                part = ActOutput(actions=out.actions[start : start + n], log_probs=out.log_probs[start : start + n],
-                                 values=out.values[start : start + n],
-                                 log_prob_elements=el[start : start + n] if el is not None else None)
-            else:
-                part = out[start : start + n]
+            part = out.rows(start, start + n) if kind == "act" else out[start : start + n]
             self.replies.put(Reply(r.group, kind, part, version))
             start += n

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -48,6 +48,7 @@ class SamplingConfig:
     rank: int
     rollout_index: int  # this rank's position among the rollout ranks (episode group ids)
     rollout_ranks: int
+    extras: dict = field(default_factory=dict)  # name -> ExtraSpec: what the policy records beside actions
     throttle_s: float = 2.0
     poll_s: float = 0.05
 
@@ -94,7 +95,8 @@ class SamplingLane:
             if self.host_pool is not None:  # rollout buffers from the transient pool
                 state.lease = self.host_pool.lease()
                 alloc = state.lease.empty
-            state.recorder = EpisodeRecorder(env, self.cfg.action_chunk, self.cfg.episode_len, alloc=alloc)
+            state.recorder = EpisodeRecorder(env, self.cfg.action_chunk, self.cfg.episode_len, alloc=alloc,
+                                             extras=self.cfg.extras)
             state.recorder.start(obs)
         self.requests.put(Request(g, "act", obs))
 
