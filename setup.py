@@ -27,6 +27,10 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "tensorboard>=2.14"],
         "tb": ["tensorboard>=2.14"],  # TensorBoard event files next to metrics.jsonl
+        # Transformer VLAs (token_vla, dvla.heads.tokens), Hugging Face tokenizers and the
+        # built-in BPE tokenizer, LoRA adapters.
+        "vla": ["transformers>=5.0", "tokenizers>=0.21", "peft>=0.17"],
     },
+    package_data={"dvla": ["data/*.txt"]},
     entry_points={"console_scripts": ["dvla=dvla.cli:main", "dvla-train=dvla.launch:main"]},
 )

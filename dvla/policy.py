@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -28,6 +26,7 @@ from torch import Tensor, nn
 
 from dvla.config import ConfigError, from_dict, validate
 from dvla.distributions import ActionDistribution, ExtraSpec
+from dvla.tokenizers import HashTokenizer, Tokenizer, tokenize
 from dvla.types import Observation
 
 
@@ -73,36 +72,6 @@ class EvalOutput:
     log_probs: Tensor  # (B,)
     entropy: Tensor  # (B,)
     values: Tensor | None  # (B,)
-
-
-class HashTokenizer:
-    """Deterministic word-level tokenizer needing no vocabulary file or download.
-
-    Lower-cased words map to ``1 + crc32(word) % (vocab_size - 1)``; 0 is padding.
-    Collisions are possible but stable across processes and machines.
-    """
-
-    def __init__(self, vocab_size: int = 1024, max_len: int = 16):
-        if vocab_size < 2 or max_len < 1:
-            raise ValueError("HashTokenizer needs vocab_size >= 2 and max_len >= 1")
-        self.vocab_size = vocab_size
-        self.max_len = max_len
-        self._cache: dict[str, list[int]] = {}
-
-    def encode(self, text: str) -> list[int]:
-        ids = self._cache.get(text)
-        if ids is None:
-            words = re.findall(r"[a-z0-9]+", text.lower())[: self.max_len]
-            ids = [1 + zlib.crc32(w.encode()) % (self.vocab_size - 1) for w in words]
-            self._cache[text] = ids
-        return ids
-
-    def __call__(self, texts: list[str]) -> Tensor:
-        out = torch.zeros(len(texts), self.max_len, dtype=torch.long)
-        for i, t in enumerate(texts):
-            ids = self.encode(t)
-            out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return out
 
 
 class VLAPolicy(nn.Module, ABC):
@@ -152,7 +121,9 @@ class VLAPolicy(nn.Module, ABC):
         super().__init__()
         self.spec = spec
         self.config = config
-        self.tokenizer: Callable[[list[str]], Tensor] = HashTokenizer()
+        self.tokenizer: Tokenizer = HashTokenizer()
+        """Instruction strings -> ``(ids, mask)`` (:mod:`dvla.tokenizers`); replace it in a
+        subclass's ``__init__`` (e.g. with an :class:`dvla.tokenizers.HFTokenizer`)."""
 
     # -- the one method a model must provide ---------------------------------------------
     @abstractmethod
@@ -193,11 +164,15 @@ class VLAPolicy(nn.Module, ABC):
         return p.device if p is not None else torch.device("cpu")
 
     def prepare(self, obs: Observation) -> Observation:
-        """Tokenise instructions (once) and move the batch to the policy's device."""
+        """Tokenise instructions (once: ids and attention mask, the strings kept) and move the
+        batch to the policy's device."""
         if obs.instruction_ids is None:
             if obs.instruction is None:
                 raise ValueError("observation has neither instruction nor instruction_ids")
-            obs = dataclasses.replace(obs, instruction_ids=self.tokenizer(obs.instruction))
+            ids, mask = tokenize(self.tokenizer, obs.instruction)
+            obs = dataclasses.replace(obs, instruction_ids=ids, instruction_mask=mask)
+        elif obs.instruction_mask is None:
+            obs = dataclasses.replace(obs, instruction_mask=obs.instruction_ids != getattr(self.tokenizer, "pad_id", 0))
         return obs.to(self.device)
 
     @torch.no_grad()

@@ -67,11 +67,14 @@ class EpisodeRecorder:
         self.success = torch.zeros(b, dtype=torch.bool)
         self.t = 0
         self.ids: Tensor | None = None
+        self.mask: Tensor | None = None
         self.obs: Observation | None = None
 
     def start(self, obs: Observation) -> None:
-        """``obs``: the reset observation with ``instruction_ids`` filled."""
-        self.ids = obs.instruction_ids
+        """``obs``: the reset observation with ``instruction_ids`` (and mask) filled."""
+        self.ids, self.mask = obs.instruction_ids, obs.instruction_mask
+        if self.mask is None:
+            raise ValueError("EpisodeRecorder.start needs a prepared observation (instruction ids and mask)")
         self.obs = obs
 
     @property
@@ -109,7 +112,7 @@ class EpisodeRecorder:
         self.done |= self.terminated[t] | self.truncated[t]
         self.success |= res.success.cpu()
         self.t += 1
-        self.obs = dataclasses.replace(res.obs, instruction_ids=self.ids)
+        self.obs = dataclasses.replace(res.obs, instruction_ids=self.ids, instruction_mask=self.mask)
         return self.obs
 
     def build(self, group_ids: Tensor, last_value: Tensor | None = None) -> RolloutBatch:
@@ -117,7 +120,8 @@ class EpisodeRecorder:
         if last_value is not None:
             self.values[self.t] = last_value.cpu()
         return RolloutBatch(
-            image=self.image, proprio=self.proprio, instruction_ids=self.ids.cpu(), actions=self.actions,
+            image=self.image, proprio=self.proprio, instruction_ids=self.ids.cpu(),
+            instruction_mask=self.mask.cpu(), actions=self.actions,
             log_probs=self.log_probs, values=self.values, rewards=self.rewards, terminated=self.terminated,
             truncated=self.truncated, valid=self.valid, policy_version=self.policy_version,
             success=self.success, group_ids=group_ids, action_valid=self.action_valid,

@@ -21,14 +21,16 @@ class Observation:
 
     image: ``(B, C, H, W)`` uint8 camera RGB.
     proprio: ``(B, P)`` float32 proprioceptive state (joint positions, gripper, ...).
-    instruction: ``B`` natural-language instructions.
-    instruction_ids: ``(B, L)`` int64 token ids; filled by ``VLAPolicy.prepare``.
+    instruction: ``B`` natural-language instructions (kept after tokenisation).
+    instruction_ids: ``(B, L)`` int64 token ids, right-padded; filled by ``VLAPolicy.prepare``.
+    instruction_mask: ``(B, L)`` bool, true on real tokens; filled with the ids.
     """
 
     image: Tensor
     proprio: Tensor
     instruction: list[str] | None = None
     instruction_ids: Tensor | None = None
+    instruction_mask: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -42,6 +44,9 @@ class Observation:
             instruction_ids=None
             if self.instruction_ids is None
             else self.instruction_ids.to(device, non_blocking=True),
+            instruction_mask=None
+            if self.instruction_mask is None
+            else self.instruction_mask.to(device, non_blocking=True),
         )
 
 
@@ -70,6 +75,7 @@ class RolloutBatch:
     image: Tensor  # (T, B, C, H, W) uint8
     proprio: Tensor  # (T, B, P) float32
     instruction_ids: Tensor  # (B, L) int64, constant within an episode
+    instruction_mask: Tensor  # (B, L) bool, true on real tokens
     actions: Tensor  # (T, B, K, D) float32
     log_probs: Tensor  # (T, B) float32, behaviour policy
     values: Tensor  # (T + 1, B) float32 (zeros if the policy has no value head)

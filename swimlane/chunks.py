@@ -28,7 +28,7 @@ from swimlane.channels import Chunk, LocalChannel
 CHUNK_KIND = "chunk"
 END_KIND = "end"
 FIELDS = {f.name: f for f in dataclasses.fields(RolloutBatch) if f.name != "extras"}
-DTYPES = {"image": torch.uint8, "instruction_ids": torch.int64, "policy_version": torch.int64,
+DTYPES = {"image": torch.uint8, "instruction_ids": torch.int64, "instruction_mask": torch.bool, "policy_version": torch.int64,
            "group_ids": torch.int64, "terminated": torch.bool, "truncated": torch.bool, "valid": torch.bool,
            "success": torch.bool, "action_valid": torch.bool}
 
@@ -56,7 +56,7 @@ def batch_from_tensors(tensors: dict[str, torch.Tensor], extras: dict[str, Any] 
     lead = {"image": (t_len, b), "proprio": (t_len, b), "actions": (t_len, b), "log_probs": (t_len, b),
             "rewards": (t_len, b), "terminated": (t_len, b), "truncated": (t_len, b), "valid": (t_len, b),
             "policy_version": (t_len, b), "values": (t_len + 1, b), "success": (b,), "group_ids": (b,),
-            "instruction_ids": (b,), "action_valid": (t_len, b), "action_log_probs": (t_len, b)}
+            "instruction_ids": (b,), "instruction_mask": (b,), "action_valid": (t_len, b), "action_log_probs": (t_len, b)}
     lead.update({EXTRAS_PREFIX + k: (t_len, b, *e.shape) for k, e in extras.items()})
     for name, shape in lead.items():
         if t_len < 0 or tuple(tensors[name].shape[: len(shape)]) != shape:
@@ -68,7 +68,7 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     """Join chunks along the env dimension (all have the same ``T``)."""
     if len(batches) == 1:
         return batches[0]
-    per_env = {"success", "group_ids", "instruction_ids"}
+    per_env = {"success", "group_ids", "instruction_ids", "instruction_mask"}
     parts = [b.to_dict() for b in batches]
     return RolloutBatch.from_dict({
         name: torch.cat([p[name] for p in parts], dim=0 if name in per_env else 1) for name in parts[0]

@@ -52,6 +52,7 @@ class ChunkSpec:
                 "actions": (t, b, self.action_chunk, self.action_dim), "log_probs": (t, b), "values": (t + 1, b),
                 "rewards": (t, b), "terminated": (t, b), "truncated": (t, b), "valid": (t, b),
                 "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens),
+                "instruction_mask": (b, max_tokens),
                 "action_valid": (t, b, self.action_chunk), "action_log_probs": (t, b, self.action_chunk, self.action_dim),
                 **{EXTRAS_PREFIX + name: (t, b, *shape) for name, shape, _, _ in self.extras}}
 

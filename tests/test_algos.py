@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dvla.algos import build_algorithm
+from dvla.algos.base import obs_of
 from dvla.algos.losses import clipped_policy_loss, gae, group_normalized_advantages, kl_k3
 from dvla.config import AlgoConfig
 from dvla.envs import make_env
@@ -95,9 +96,7 @@ def test_update_moves_policy_towards_advantage(algo):
     assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
     # The log-likelihood of the taken actions, weighted by advantage, went up.
     data = learner._flatten(batch, adv, adv)
-    from dvla.types import Observation
-
-    obs = Observation(image=data["image"], proprio=data["proprio"], instruction_ids=data["ids"])
+    obs = obs_of(data)
     with torch.no_grad():
         new_lp = policy.evaluate(obs, data["actions"]).log_probs
     assert ((new_lp - data["behav_logp"]) * data["adv"]).sum() > 0

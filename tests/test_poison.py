@@ -27,7 +27,7 @@ def cfg_for(tmp_path, name, *overrides):
 
 def _along_t(b: RolloutBatch) -> RolloutBatch:
     """One step more than an episode may have."""
-    per_env = {"success", "group_ids", "instruction_ids"}
+    per_env = {"success", "group_ids", "instruction_ids", "instruction_mask"}
     return RolloutBatch.from_dict({k: (v if k in per_env else torch.cat([v, v[:1]])) for k, v in b.to_dict().items()})
 
 
@@ -50,7 +50,7 @@ POISONS = {
     "action chunk": ("shape", _set("actions", lambda t: torch.cat([t, t[:, :, :1]], dim=2))),
     "episode length": ("shape", _along_t),
     "envs per chunk": ("shape", lambda b: RolloutBatch.from_dict({
-        k: v[:-1] if k in ("success", "group_ids", "instruction_ids") else v[:, :-1] for k, v in b.to_dict().items()})),
+        k: v[:-1] if k in ("success", "group_ids", "instruction_ids", "instruction_mask") else v[:, :-1] for k, v in b.to_dict().items()})),
     "instruction id past the vocabulary": ("instruction_ids", _set("instruction_ids", lambda t: _write(t, 10**6))),
     "negative instruction id": ("instruction_ids", _set("instruction_ids", lambda t: _write(t, -3))),
     "NaN reward": ("non_finite", _set("rewards", lambda t: _write(t, float("nan")))),

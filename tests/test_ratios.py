@@ -69,7 +69,8 @@ class _EndsAt(BatchedEnv):
 
     def _observe(self):
         return Observation(image=torch.zeros(self.n_envs, 3, 4, 4, dtype=torch.uint8),
-                           proprio=torch.zeros(self.n_envs, 2), instruction_ids=torch.ones(self.n_envs, 2).long())
+                           proprio=torch.zeros(self.n_envs, 2), instruction_ids=torch.ones(self.n_envs, 2).long(),
+                           instruction_mask=torch.ones(self.n_envs, 2, dtype=torch.bool))
 
 
 def test_actions_after_the_end_inside_a_chunk_are_masked_in_the_behaviour_log_prob():

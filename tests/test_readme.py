@@ -29,6 +29,6 @@ def test_readme_policy_example_works():
 
 def test_readme_commands_match_ci():
     text = README.read_text()
-    assert "pip install -e \".[dev]\" && python -m dvla.launch" in text
+    assert "pip install -e \".[dev,vla]\" && python -m dvla.launch" in text
     ci = (README.parent / ".ci" / "run").read_text()
     assert "python -m pytest -q" in text and "python -m pytest -q" in ci

@@ -46,7 +46,7 @@ def test_rollout_batch_round_trip():
     policy = build_policy("tiny_vla", spec, {"hidden_dim": 8, "vision_channels": 4, "embed_dim": 4})
     batch = collect_episodes(env, policy, 5, group_size=2, policy_version=3)
     _, meta, got = decode(encode("rollout", batch.to_dict(), {"version": 3}))
-    back = RolloutBatch(**got)
+    back = RolloutBatch.from_dict(got)
     for k, v in batch.to_dict().items():
         assert torch.equal(getattr(back, k), v), k
 

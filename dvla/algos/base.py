@@ -36,7 +36,13 @@ from dvla.config import AlgoConfig
 from dvla.policy import VLAPolicy
 from dvla.types import EXTRAS_PREFIX, Observation, RolloutBatch
 
-_PROXIMAL_INPUTS = ("image", "proprio", "ids", "actions", "action_valid")
+_PROXIMAL_INPUTS = ("image", "proprio", "ids", "ids_mask", "actions", "action_valid")
+
+
+def obs_of(mb: dict[str, Tensor]) -> Observation:
+    """The (prepared) observations of a flattened minibatch."""
+    return Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"],
+                       instruction_mask=mb["ids_mask"])
 
 
 def extras_of(mb: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -103,6 +109,7 @@ class Algorithm(ABC):
             "image": batch.image[t_idx, b_idx],
             "proprio": batch.proprio[t_idx, b_idx],
             "ids": batch.instruction_ids[b_idx],
+            "ids_mask": batch.instruction_mask[b_idx],
             "actions": batch.actions[t_idx, b_idx],
             "action_valid": batch.action_valid[t_idx, b_idx],
             "behav_logp": self._behaviour(batch)[t_idx, b_idx],
@@ -135,9 +142,8 @@ class Algorithm(ABC):
         self.policy.eval()
         out = []
         for s in range(0, data["actions"].shape[0], chunk):
-            obs = Observation(image=data["image"][s : s + chunk], proprio=data["proprio"][s : s + chunk],
-                              instruction_ids=data["ids"][s : s + chunk])
             part = {k: v[s : s + chunk] for k, v in data.items()}
+            obs = obs_of(part)
             out.append(self.policy.evaluate(obs, part["actions"], part["action_valid"], self.cfg.ratio,
                                             extras_of(part)).log_probs)
         return torch.cat(out)
@@ -220,7 +226,7 @@ class Algorithm(ABC):
             self.optimizer.zero_grad(set_to_none=True)
 
     def _step(self, mb: dict[str, Tensor]) -> dict[str, float]:
-        obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
+        obs = obs_of(mb)
         out = self.policy.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio, extras_of(mb))
         mask = self._mask(mb, out.log_probs)
         if "prox_alpha" in mb:  # off-policy, proximal log-probs interpolated (algo.proximal=loglinear)

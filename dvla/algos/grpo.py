@@ -13,9 +13,9 @@ import copy
 import torch
 from torch import Tensor
 
-from dvla.algos.base import Algorithm, extras_of
+from dvla.algos.base import Algorithm, extras_of, obs_of
 from dvla.algos.losses import group_normalized_advantages, kl_k3, masked_mean
-from dvla.types import Observation, RolloutBatch
+from dvla.types import RolloutBatch
 
 
 class GRPO(Algorithm):
@@ -36,7 +36,7 @@ class GRPO(Algorithm):
     def extra_loss(self, mb, out):
         if self.reference is None:
             return torch.zeros((), device=mb["adv"].device), {}
-        obs = Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"])
+        obs = obs_of(mb)
         with torch.no_grad():
             ref_lp = self.reference.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio,
                                              extras_of(mb)).log_probs

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 
 from dvla.distributions import BinnedActionDistribution, GaussianActionDistribution
 from dvla.heads.flow import FlowMatchingHead
-from dvla.policy import HashTokenizer, PolicyOutput, PolicySpec, VLAPolicy, register_policy
+from dvla.tokenizers import HashTokenizer
+from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, register_policy
 from dvla.types import Observation
 
 
@@ -109,7 +110,7 @@ class TinyVLA(VLAPolicy):
         img = obs.image.float() * (1.0 / 255.0) - 0.5
         kp = self.vision(img)
         ids = obs.instruction_ids
-        mask = (ids > 0).float().unsqueeze(-1)
+        mask = (obs.instruction_mask if obs.instruction_mask is not None else ids > 0).float().unsqueeze(-1)
         lang = (self.embed(ids) * mask).sum(1) / mask.sum(1).clamp(min=1.0)
         scale, shift = self.film(lang).chunk(2, dim=-1)
         kp = kp * (1.0 + scale) + shift

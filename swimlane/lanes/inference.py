@@ -25,8 +25,10 @@ def cat_obs(obs: list[Observation], lease=None) -> Observation:
         out = lease.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype)
         return torch.cat(ts, out=out)
 
-    return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]),
-                       instruction_ids=cat([o.instruction_ids for o in obs]))
+    texts = None if any(o.instruction is None for o in obs) else [t for o in obs for t in o.instruction]
+    return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]), instruction=texts,
+                       instruction_ids=cat([o.instruction_ids for o in obs]),
+                       instruction_mask=cat([o.instruction_mask for o in obs]))
 
 
 class InferenceLane:
