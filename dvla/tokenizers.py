@@ -93,10 +93,10 @@ class HFTokenizer:
     """A Hugging Face tokenizer as a :class:`Tokenizer`: a ``tokenizers.Tokenizer`` (e.g.
     ``Tokenizer.from_file("tokenizer.json")``) or a ``transformers`` tokenizer (e.g.
     ``AutoTokenizer.from_pretrained(local_dir)``). ``pad_id`` defaults to the tokenizer's
-    own pad token; one without a pad token needs it given. ``prefix_ids`` (e.g. a BOS id)
-    start every instruction."""
+    own pad token; one without a pad token needs it given. ``add_special_tokens``: let the
+    tokenizer add its own (e.g. a BOS token, by its post-processor)."""
 
-    def __init__(self, tokenizer: Any, max_len: int, pad_id: int | None = None, prefix_ids: tuple[int, ...] = ()):
+    def __init__(self, tokenizer: Any, max_len: int, pad_id: int | None = None, add_special_tokens: bool = True):
         self.tok = tokenizer
         self._fast = hasattr(tokenizer, "encode_batch") and hasattr(tokenizer, "get_vocab_size")
         if self._fast:
@@ -113,17 +113,17 @@ class HFTokenizer:
             raise ValueError("the tokenizer has no pad token: pass pad_id (an id the model treats as padding)")
         if not 0 <= pad_id < self.vocab_size or max_len < 1:
             raise ValueError(f"HFTokenizer needs 0 <= pad_id < {self.vocab_size} and max_len >= 1")
-        self.pad_id, self.max_len, self.prefix_ids = int(pad_id), max_len, tuple(prefix_ids)
+        self.pad_id, self.max_len, self.special = int(pad_id), max_len, add_special_tokens
         self._cache: dict[str, list[int]] = {}
 
     def encode(self, text: str) -> list[int]:
         ids = self._cache.get(text)
         if ids is None:
             if self._fast:
-                raw = self.tok.encode(text, add_special_tokens=False).ids
+                ids = self.tok.encode(text, add_special_tokens=self.special).ids
             else:
-                raw = self.tok(text, add_special_tokens=False)["input_ids"]
-            ids = self._cache[text] = [*self.prefix_ids, *raw]
+                ids = self.tok(text, add_special_tokens=self.special)["input_ids"]
+            self._cache[text] = ids
         return ids
 
     def encode_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
@@ -137,7 +137,7 @@ class HFTokenizer:
 def _trained_bpe(vocab_size: int):
     try:
         from tokenizers import Tokenizer as HFTok
-        from tokenizers import decoders, models, pre_tokenizers, trainers
+        from tokenizers import decoders, models, pre_tokenizers, processors, trainers
     except ImportError as exc:
         raise ImportError("the built-in tokenizer needs the `tokenizers` package: pip install 'dvla[vla]'") from exc
     tok = HFTok(models.BPE(unk_token="<unk>"))
@@ -147,13 +147,15 @@ def _trained_bpe(vocab_size: int):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     lines = [ln.strip() for ln in CORPUS.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
     tok.train_from_iterator(lines, trainer=trainer)
+    bos = "<bos>"
+    tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
     return tok
 
 
 def builtin_tokenizer(vocab_size: int = 512, max_len: int = 24) -> HFTokenizer:
     """A byte-level BPE of ``vocab_size`` tokens (special tokens first: ``<pad>`` is 0,
-    ``<bos>`` 2) trained on ``dvla/data/instructions.txt``; every instruction starts with
-    ``<bos>``. Any text encodes (bytes are in the alphabet); the same corpus and size give
-    the same tokenizer on every machine."""
+    ``<bos>`` 2) trained on ``dvla/data/instructions.txt``; its post-processor starts every
+    instruction with ``<bos>`` (saved with it: ``.tok.save(path)``). Any text encodes (bytes
+    are in the alphabet); the same corpus and size give the same tokenizer on every machine."""
     tok = _trained_bpe(vocab_size)
-    return HFTokenizer(tok, max_len=max_len, pad_id=tok.token_to_id("<pad>"), prefix_ids=(tok.token_to_id("<bos>"),))
+    return HFTokenizer(tok, max_len=max_len, pad_id=tok.token_to_id("<pad>"))

@@ -129,3 +129,53 @@ def test_chains_travel_over_the_data_plane(tmp_path):
     assert all(v == 0 for k, v in summary.items() if k.startswith("rejected_") and isinstance(v, int))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert all(math.isfinite(r["loss"]) and r["approx_kl"] < 0.1 for r in rows)
+
+
+def _tiny_lm(vocab: int = 96):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("decoding", ["autoregressive", "parallel"])
+def test_the_token_heads_log_probs_match_a_direct_computation(decoding):
+    """Sampling over the KV cache (autoregressive) or in one pass (parallel) gives the same
+    log-probs as the learner's scoring and as a step-by-step forward pass without a cache."""
+    from dvla.heads.tokens import TOKENS, TokenActionHead
+
+    lm = _tiny_lm()
+    head = TokenActionHead(vocab_size=96, n_bins=11, action_chunk=2, action_dim=3, hidden_size=32, decoding=decoding)
+    prefix = torch.randn(3, 5, 32)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)  # padding inside
+    with torch.no_grad():
+        draw = head(lm, prefix, mask).draw(generator=torch.Generator().manual_seed(3))
+    tokens = draw.extras[TOKENS]
+    assert tokens.shape == (3, 6) and bool(((tokens >= 85) & (tokens < 96)).all())
+    assert torch.allclose(draw.actions, ((tokens - 85).float() / 5 - 1).reshape(3, 2, 3))
+    # Direct: each position's logits from a full forward pass over the prefix and what precedes it.
+    embed = lm.get_input_embeddings()
+    direct = torch.zeros(3, 6)
+    with torch.no_grad():
+        for j in range(6):
+            if decoding == "autoregressive":
+                x = torch.cat([prefix, embed(tokens[:, :j])], 1)
+            else:
+                x = torch.cat([prefix, head.queries.expand(3, -1, -1)], 1)
+            m = torch.cat([mask, torch.ones(3, x.shape[1] - 5, dtype=torch.bool)], 1).long()
+            logits = lm(inputs_embeds=x, attention_mask=m).logits
+            pos = -1 if decoding == "autoregressive" else 5 + j
+            log_p = torch.log_softmax(logits[:, pos, 85:], -1)
+            direct[:, j] = log_p.gather(1, (tokens[:, j] - 85).unsqueeze(1)).squeeze(1)
+    assert torch.allclose(draw.elements.reshape(3, 6), direct, atol=1e-5)
+    scored = head(lm, prefix, mask).log_prob(draw.actions, draw.extras)  # teacher forcing, with gradients
+    assert torch.allclose(scored, direct.sum(1), atol=1e-5) and torch.allclose(draw.log_prob, scored, atol=1e-5)
+    scored.sum().backward()
+    assert lm.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+    assert head(lm, prefix, mask).entropy(draw.extras).shape == (3,)
+    with torch.no_grad():
+        greedy = head(lm, prefix, mask).draw(deterministic=True)
+    assert torch.allclose(greedy.log_prob, head(lm, prefix, mask).log_prob(greedy.actions, greedy.extras), atol=1e-5)
+    with pytest.raises(ValueError, match=r"extras\['action_tokens'\] of shape \(3, 6\) is needed, got None"):
+        head(lm, prefix, mask).log_prob(draw.actions)
