@@ -78,6 +78,32 @@ def test_custom_policy_trains_with_the_swimlane(tmp_path):
             "log_std", "value_head.weight"} <= keys
 
 
+def test_the_transformers_example_meets_the_contract_and_trains(tmp_path):
+    """examples/hf_policy.py (a ViT and a Qwen2 decoder from transformers configs, a flow
+    action expert): the policy contract, then 4 updates of the program itself, then the
+    launcher with ``--import`` (its denoising chains travel as rollout extras)."""
+    pytest.importorskip("transformers")
+    contract = load_module(ROOT / "tests" / "test_policies.py", "_examples_policy_contract")
+    example = load_module(EXAMPLES / "hf_policy.py", "_examples_hf_policy")
+    try:
+        contract.test_policy_contract(example.POLICY_NAME, {"width": 32, "layers": 1})
+    finally:
+        POLICY_REGISTRY.pop(example.POLICY_NAME, None)
+        sys.modules.pop("_examples_hf_policy", None)
+        sys.modules.pop("_examples_policy_contract", None)
+    out = tmp_path / "hf"
+    stdout = run([sys.executable, str(EXAMPLES / "hf_policy.py"), "--iterations", "4", "--out", str(out),
+                  "run.torch_threads=1"], cwd=tmp_path, timeout=120)
+    assert sum(ln.startswith("update") and "success" in ln for ln in stdout.splitlines()) == 4, stdout
+    assert json.loads((out / "summary.json").read_text())["version"] == 4
+    launched = tmp_path / "launched"
+    run([sys.executable, "-m", "dvla.launch", "--import", str(EXAMPLES / "hf_policy.py"), "--preset", "debug",
+         "policy.name=hf_flow_vla", "policy.options={}", "env.image_size=16", "run.iterations=2",
+         f"run.out_dir={launched.parent}", f"run.name={launched.name}"], cwd=tmp_path, timeout=120)
+    summary = json.loads((launched / "summary.json").read_text())
+    assert summary["version"] == 2 and summary["rejected_extras"] == 0
+
+
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_gym_env_trains_on_pendulum(tmp_path, algo):
     out = tmp_path / "gym"

@@ -1,5 +1,6 @@
 """Contract test run over every registered policy, plus the extension rules."""
 
+import copy
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +25,8 @@ SPEC = PolicySpec(image_shape=(3, 24, 24), proprio_dim=5, action_dim=3, action_c
 CASES = [(name, {}) for name in sorted(POLICY_REGISTRY)] + [
     ("tiny_vla", {"head": "gaussian", "value_head": False, "hidden_dim": 16}),
     ("tiny_vla", {"n_bins": 7, "hidden_dim": 16}),
+    ("tiny_vla", {"head": "flow", "flow_steps": 3, "hidden_dim": 16}),
+    ("token_vla", {"decoding": "parallel", "n_bins": 16, "value_head": True}),
 ]
 
 
@@ -45,22 +48,40 @@ def test_policy_contract(name, options):
     assert out.actions.shape == (4, SPEC.action_chunk, SPEC.action_dim)
     assert out.log_probs.shape == (4,) and torch.isfinite(out.log_probs).all()
     assert out.values.shape == (4,)
+    # What the head records beside the actions is what the policy declares.
+    declared = policy.rollout_extras()
+    assert out.extras.keys() == declared.keys()
+    for key, want in declared.items():
+        got = out.extras[key]
+        assert got.shape == (4, *want.shape) and got.dtype == want.dtype, key
+        if want.high is not None:
+            assert 0 <= int(got.min()) and int(got.max()) < want.high, key
     # Sampling is reproducible under a seeded generator.
     again = policy.act(obs, generator=torch.Generator().manual_seed(3))
     assert torch.equal(out.actions, again.actions)
-    # evaluate() gives the same log-probs for the sampled actions, with gradients.
-    ev = policy.evaluate(obs, out.actions)
+    # evaluate() gives the same log-probs for the sampled actions (and extras), with gradients:
+    # at the rollout's weights every ratio is 1, at each granularity the head supports.
+    ev = policy.evaluate(obs, out.actions, extras=out.extras)
     torch.testing.assert_close(ev.log_probs, out.log_probs, rtol=1e-5, atol=1e-5)
+    if out.log_prob_elements is not None:
+        dims = policy.evaluate(obs, out.actions, ratio="dim", extras=out.extras).log_probs
+        torch.testing.assert_close(dims, out.log_prob_elements, rtol=1e-5, atol=1e-5)
     assert ev.entropy.shape == (4,) and torch.isfinite(ev.entropy).all()
     # entropy() is the sampling distribution's: minus the mean log-prob of many of its own
-    # samples agrees with it, per observation, within a few standard errors.
+    # samples agrees with their mean entropy, per observation, within a few standard errors.
     n = 800
     many = Observation(image=obs.image.repeat(n, 1, 1, 1), proprio=obs.proprio.repeat(n, 1),
                        instruction=list(obs.instruction) * n)
     with torch.no_grad():
-        lp = policy.act(many, generator=torch.Generator().manual_seed(5)).log_probs.view(n, 4)
+        drawn = policy.act(many, generator=torch.Generator().manual_seed(5))
+        lp = drawn.log_probs.view(n, 4)
+        entropy = policy.evaluate(many, drawn.actions, extras=drawn.extras).entropy.view(n, 4).mean(0)
     estimate, se = -lp.mean(0), lp.std(0) / n**0.5
-    assert ((estimate - ev.entropy.detach()).abs() <= 5 * se + 1e-3).all(), (estimate, ev.entropy, se)
+    assert ((estimate - entropy).abs() <= 5 * se + 1e-3).all(), (estimate, entropy, se)
+    # Inference replicas are deep copies: one acts exactly like the policy it was copied from.
+    replica = copy.deepcopy(policy)
+    same = replica.act(obs, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(same.actions, out.actions) and torch.allclose(same.log_probs, out.log_probs)
     (-(ev.log_probs.mean()) - ev.entropy.mean()).backward()
     grads = [p.grad for p in policy.parameters() if p.requires_grad]
     assert any(g is not None and g.abs().sum() > 0 for g in grads)
