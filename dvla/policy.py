@@ -34,15 +34,17 @@ from dvla.types import Observation
 class PolicySpec:
     """What the environment promises the policy: observation and action shapes."""
 
-    image_shape: tuple[int, int, int]  # (C, H, W)
+    image_shape: tuple[int, int, int]  # (C, H, W) of the main camera
     proprio_dim: int
     action_dim: int
     action_chunk: int = 1
+    cameras: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # further named cameras: (name, (C, H, W))
 
     @classmethod
     def for_env(cls, env_spec: Any, action_chunk: int = 1) -> "PolicySpec":
         """The spec of a policy acting in an env with ``env_spec`` (a ``dvla.envs.EnvSpec``)."""
-        return cls(env_spec.image_shape, env_spec.proprio_dim, env_spec.action_dim, action_chunk)
+        return cls(env_spec.image_shape, env_spec.proprio_dim, env_spec.action_dim, action_chunk,
+                   tuple(getattr(env_spec, "cameras", ())))
 
 
 @dataclass
@@ -105,8 +107,8 @@ class VLAPolicy(nn.Module, ABC):
                 + " (pass abstract=True in the class statement for an intermediate base)"
             )
 
-    _API = ("forward", "prepare", "act", "evaluate", "value", "estimate_value", "optim_groups", "rollout_extras",
-            "device")
+    _API = ("forward", "prepare", "preprocess", "act", "evaluate", "value", "estimate_value", "optim_groups",
+            "rollout_extras", "device")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # nn.Module keeps a submodule in ``_modules``, where attribute lookup never reaches a
@@ -121,6 +123,10 @@ class VLAPolicy(nn.Module, ABC):
         super().__init__()
         self.spec = spec
         self.config = config
+        self.cameras_used: tuple[str, ...] = ()
+        """The further cameras (of ``spec.cameras``) this policy reads, in order: only these
+        reach ``forward`` and are recorded and sent to the learner. None by default; a
+        subclass that reads more sets it in ``__init__``."""
         self.tokenizer: Tokenizer = HashTokenizer()
         """Instruction strings -> ``(ids, mask)`` (:mod:`dvla.tokenizers`); replace it in a
         subclass's ``__init__`` (e.g. with an :class:`dvla.tokenizers.HFTokenizer`)."""
@@ -149,6 +155,12 @@ class VLAPolicy(nn.Module, ABC):
         reach the optimizer."""
         return None
 
+    def preprocess(self, obs: Observation) -> Observation:
+        """Model-specific input preparation on the policy's device, right before ``forward``
+        (rollout and learning alike): resize, normalise, crop each camera. The stored
+        trajectories keep the env's raw uint8 images. Default: none."""
+        return obs
+
     def rollout_extras(self) -> dict[str, ExtraSpec]:
         """What the head's :meth:`~dvla.distributions.ActionDistribution.draw` records beside
         each decision's actions (e.g. ``{"action_tokens": ExtraSpec((K * D,), torch.int64)}``).
@@ -173,6 +185,12 @@ class VLAPolicy(nn.Module, ABC):
             obs = dataclasses.replace(obs, instruction_ids=ids, instruction_mask=mask)
         elif obs.instruction_mask is None:
             obs = dataclasses.replace(obs, instruction_mask=obs.instruction_ids != getattr(self.tokenizer, "pad_id", 0))
+        if obs.cameras.keys() != set(self.cameras_used):
+            missing = [c for c in self.cameras_used if c not in obs.cameras]
+            if missing:
+                raise ValueError(f"{type(self).__qualname__} reads cameras {missing}, which the observation lacks "
+                                 f"(it has {sorted(obs.cameras)})")
+            obs = dataclasses.replace(obs, cameras={c: obs.cameras[c] for c in self.cameras_used})
         return obs.to(self.device)
 
     @torch.no_grad()
@@ -184,7 +202,7 @@ class VLAPolicy(nn.Module, ABC):
     ) -> ActOutput:
         """Choose action chunks for a batch (rollout path): actions, their log-probs
         under this policy and value estimates."""
-        obs = self.prepare(obs)
+        obs = self.preprocess(self.prepare(obs))
         out = self(obs)
         draw = out.dist.draw(deterministic, generator)
         values = self._value(out, obs)
@@ -204,14 +222,14 @@ class VLAPolicy(nn.Module, ABC):
         episode had ended); ``ratio`` is the granularity of the log-probs: ``joint`` (B,),
         ``step`` (B, K) or ``dim`` (B, K, D) (see :func:`chunk_log_probs`); ``extras``: what
         the rollout recorded beside the actions (:meth:`rollout_extras`)."""
-        obs = self.prepare(obs)
+        obs = self.preprocess(self.prepare(obs))
         out = self(obs)
         return EvalOutput(log_probs=chunk_log_probs(out.dist, actions, action_valid, ratio, extras),
                           entropy=out.dist.entropy(extras), values=self._value(out, obs))
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor:
-        obs = self.prepare(obs)
+        obs = self.preprocess(self.prepare(obs))
         value = self._value(self(obs), obs)
         return value if value is not None else torch.zeros(obs.batch_size, device=self.device)
 

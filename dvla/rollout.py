@@ -38,10 +38,11 @@ class EpisodeRecorder:
 
     def __init__(self, env: BatchedEnv, action_chunk: int, episode_len: int,
                  alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
-                 extras: dict[str, ExtraSpec] | None = None):
+                 extras: dict[str, ExtraSpec] | None = None, cameras: dict[str, tuple[int, ...]] | None = None):
         """``alloc(shape, dtype)`` provides the buffers (e.g. a transient-pool lease's
         ``empty``); they are zeroed here. Default: plain ``torch.empty``. ``extras``: what
-        the policy records beside its actions (:meth:`VLAPolicy.rollout_extras`)."""
+        the policy records beside its actions (:meth:`VLAPolicy.rollout_extras`); ``cameras``:
+        the further cameras it reads, name -> (C, H, W) (:attr:`VLAPolicy.cameras_used`)."""
         self.b = env.n_envs
         self.t_len = episode_len
         t_len, b = episode_len, self.b
@@ -63,6 +64,7 @@ class EpisodeRecorder:
         self.valid = zeros(t_len, b, dtype=torch.bool)
         self.policy_version = zeros(t_len, b, dtype=torch.long)
         self.extras = {k: zeros(t_len, b, *e.shape, dtype=e.dtype) for k, e in (extras or {}).items()}
+        self.cameras = {k: zeros(t_len, b, *shape, dtype=torch.uint8) for k, shape in (cameras or {}).items()}
         self.done = torch.zeros(b, dtype=torch.bool)
         self.success = torch.zeros(b, dtype=torch.bool)
         self.t = 0
@@ -87,6 +89,8 @@ class EpisodeRecorder:
         t, obs = self.t, self.obs
         self.image[t] = obs.image.cpu()
         self.proprio[t] = obs.proprio.cpu()
+        for k, buf in self.cameras.items():
+            buf[t] = obs.cameras[k].cpu()
         live = ~self.done
         self.valid[t] = live
         self.actions[t] = out.actions.cpu()
@@ -125,8 +129,18 @@ class EpisodeRecorder:
             log_probs=self.log_probs, values=self.values, rewards=self.rewards, terminated=self.terminated,
             truncated=self.truncated, valid=self.valid, policy_version=self.policy_version,
             success=self.success, group_ids=group_ids, action_valid=self.action_valid,
-            action_log_probs=self.action_log_probs, extras=dict(self.extras),
+            action_log_probs=self.action_log_probs, cameras=dict(self.cameras), extras=dict(self.extras),
         )
+
+
+def cameras_of(policy: VLAPolicy) -> dict[str, tuple[int, ...]]:
+    """The further cameras ``policy`` reads, name -> (C, H, W), as the trajectories store them."""
+    shapes = dict(policy.spec.cameras)
+    unknown = [c for c in policy.cameras_used if c not in shapes]
+    if unknown:
+        raise ValueError(f"{type(policy).__qualname__} reads cameras {unknown}; the env has "
+                         f"{sorted(shapes) or 'none besides the main one'}")
+    return {c: tuple(shapes[c]) for c in policy.cameras_used}
 
 
 @torch.no_grad()
@@ -148,7 +162,8 @@ def collect_episodes(
     """
     times = times if times is not None else RolloutTimes()
     policy.eval()
-    rec = EpisodeRecorder(env, policy.spec.action_chunk, episode_len, extras=policy.rollout_extras())
+    rec = EpisodeRecorder(env, policy.spec.action_chunk, episode_len, extras=policy.rollout_extras(),
+                          cameras=cameras_of(policy))
     t0 = time.perf_counter()
     obs = env.reset(group_size)
     times.sim_s += time.perf_counter() - t0

@@ -19,11 +19,13 @@ from torch import Tensor
 class Observation:
     """One batched observation.
 
-    image: ``(B, C, H, W)`` uint8 camera RGB.
+    image: ``(B, C, H, W)`` uint8 RGB of the main camera.
     proprio: ``(B, P)`` float32 proprioceptive state (joint positions, gripper, ...).
     instruction: ``B`` natural-language instructions (kept after tokenisation).
     instruction_ids: ``(B, L)`` int64 token ids, right-padded; filled by ``VLAPolicy.prepare``.
     instruction_mask: ``(B, L)`` bool, true on real tokens; filled with the ids.
+    cameras: further named cameras (e.g. ``wrist``), each ``(B, C, H', W')`` uint8 with its own
+    size, as the env spec declares (``EnvSpec.cameras``).
     """
 
     image: Tensor
@@ -31,6 +33,12 @@ class Observation:
     instruction: list[str] | None = None
     instruction_ids: Tensor | None = None
     instruction_mask: Tensor | None = None
+    cameras: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def images(self) -> dict[str, Tensor]:
+        """Every camera by name, the main one as ``image``."""
+        return {MAIN_CAMERA: self.image, **self.cameras}
 
     @property
     def batch_size(self) -> int:
@@ -47,6 +55,7 @@ class Observation:
             instruction_mask=None
             if self.instruction_mask is None
             else self.instruction_mask.to(device, non_blocking=True),
+            cameras={k: v.to(device, non_blocking=True) for k, v in self.cameras.items()},
         )
 
 
@@ -89,6 +98,8 @@ class RolloutBatch:
     action_valid: Tensor  # (T, B, K) bool: the chunk's actions the env applied before the episode ended
     action_log_probs: Tensor  # (T, B, K, D) float32: behaviour log-prob per action dimension (masked; 0 when the
     # head does not factorise per dimension)
+    cameras: dict[str, Tensor] = field(default_factory=dict)  # name -> (T, B, C, H, W) uint8: the further
+    # cameras the policy uses (VLAPolicy.cameras_used)
     extras: dict[str, Tensor] = field(default_factory=dict)
     """What the policy's head recorded beside each action (``(T, B, ...)`` per name, as
     :meth:`dvla.policy.VLAPolicy.rollout_extras` declares): sampled action tokens, a
@@ -107,20 +118,25 @@ class RolloutBatch:
         return (self.rewards * self.valid).sum(0)
 
     def to_dict(self) -> dict[str, Tensor]:
-        """Every tensor by name, extras as ``extras.<name>`` (how a chunk travels)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extras"}
-        out.update({EXTRAS_PREFIX + k: v for k, v in self.extras.items()})
+        """Every tensor by name, cameras as ``cameras.<name>`` and extras as ``extras.<name>``
+        (how a chunk travels)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in NESTED}
+        for field_name, prefix in NESTED.items():
+            out.update({prefix + k: v for k, v in getattr(self, field_name).items()})
         return out
 
     @classmethod
     def from_dict(cls, tensors: dict[str, Tensor]) -> "RolloutBatch":
         """The inverse of :meth:`to_dict` (no checks: see ``swimlane.chunks.batch_from_tensors``)."""
-        n = len(EXTRAS_PREFIX)
-        return cls(**{k: v for k, v in tensors.items() if not k.startswith(EXTRAS_PREFIX)},
-                   extras={k[n:]: v for k, v in tensors.items() if k.startswith(EXTRAS_PREFIX)})
+        plain = {k: v for k, v in tensors.items() if not any(k.startswith(p) for p in NESTED.values())}
+        nested = {name: {k[len(p):]: v for k, v in tensors.items() if k.startswith(p)} for name, p in NESTED.items()}
+        return cls(**plain, **nested)
 
     def to(self, device: torch.device | str) -> "RolloutBatch":
         return RolloutBatch.from_dict({k: v.to(device) for k, v in self.to_dict().items()})
 
 
+MAIN_CAMERA = "image"
 EXTRAS_PREFIX = "extras."
+CAMERAS_PREFIX = "cameras."
+NESTED = {"cameras": CAMERAS_PREFIX, "extras": EXTRAS_PREFIX}

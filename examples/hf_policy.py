@@ -28,6 +28,7 @@ Needs the ``[vla]`` extra (``pip install -e ".[vla]"``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import sys
 from dataclasses import dataclass
@@ -81,13 +82,15 @@ class HFFlowVLA(VLAPolicy):
     def rollout_extras(self):
         return self.action_expert.rollout_extras()  # the denoising chain
 
-    def preprocess(self, image: torch.Tensor) -> torch.Tensor:
+    def preprocess(self, obs: Observation) -> Observation:
+        """Runs before every forward pass (rollout and learning): the camera image resized and
+        normalised for the ViT. The trajectories keep the env's uint8 images."""
         size = self.config.image_size
-        x = F.interpolate(image.float() / 255.0, size=(size, size), mode="bilinear", align_corners=False)
-        return (x - 0.5) / 0.5
+        x = F.interpolate(obs.image.float() / 255.0, size=(size, size), mode="bilinear", align_corners=False)
+        return dataclasses.replace(obs, image=(x - 0.5) / 0.5)
 
     def forward(self, obs: Observation) -> PolicyOutput:
-        patches = self.vit(pixel_values=self.preprocess(obs.image)).last_hidden_state
+        patches = self.vit(pixel_values=obs.image).last_hidden_state
         words = self.decoder.get_input_embeddings()(obs.instruction_ids)
         state = self.state_embed(obs.proprio.float()).unsqueeze(1)
         seq = torch.cat([patches, words, state], dim=1)

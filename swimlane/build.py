@@ -20,6 +20,7 @@ from dvla.config import ConfigError, JobConfig, SwimlaneConfig
 from dvla.distributed import allreduce_mean_grads
 from dvla.envs import env_spec, make_env
 from dvla.policy import PolicySpec, build_policy
+from dvla.rollout import cameras_of
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget
@@ -152,6 +153,10 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
         spec_ = env_spec(cfg.env, device, seed=seed + 7919 * rank)
     spec = PolicySpec.for_env(spec_, cfg.policy.action_chunk)
     policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
+    try:
+        cameras_of(policy)
+    except ValueError as exc:  # the policy reads a camera the env does not have
+        raise ConfigError(f"policy.name={cfg.policy.name}: {exc}") from None
     if rollout:
         envs += [make_env(cfg.env, device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, sl.env_groups)]
     algo = learn_gen = None
@@ -195,14 +200,14 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc) -
 
 
 def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: int, placement: Placement,
-                     topology: Topology, limits: tuple[int, int] | None = None, extras: dict | None = None):
+                     topology: Topology, limits: tuple[int, int] | None = None, fields: dict | None = None):
     """``(source, sink, expected_senders)``: a local queue in one process; otherwise every
     learner rank binds a receiver (its tcp endpoint where its senders on other hosts can
     reach it) and each rollout rank sends to the learner (and over the transport) its
     placement says. ``limits``: the largest legal message and frame of this job
     (:meth:`swimlane.validate.ChunkSpec.message_limits`); the receiver refuses bigger ones
-    (never above what ``dp`` allows). ``extras``: the policy's ``rollout_extras()``, which
-    every chunk carries."""
+    (never above what ``dp`` allows). ``fields``: the further tensors every chunk carries
+    (:meth:`swimlane.validate.ChunkSpec.optional_fields`)."""
     if world == 1:
         chunks = LocalChunks(sl.queue_size)
         return chunks, chunks, []
@@ -222,7 +227,7 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
                                           rendezvous=os.environ.get("MASTER_ADDR"))
         except (AddressError, DataPlaneConfigError) as exc:
             raise ConfigError(str(exc)) from None
-        source = RemoteChunkSource(receiver, extras)
+        source = RemoteChunkSource(receiver, fields)
         expected = [f"rank{r}" for r in senders]
     if rank in placement.rollout:
         endpoints = lookup_endpoints(store, key=f"dvla/data/{placement.routes[rank]}")

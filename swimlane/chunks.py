@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 
-from dvla.types import EXTRAS_PREFIX, RolloutBatch
+from dvla.types import NESTED, RolloutBatch
 from planes.data import TrajectoryReceiver, TrajectorySender
 from swimlane.channels import Chunk, LocalChannel
 
 CHUNK_KIND = "chunk"
 END_KIND = "end"
-FIELDS = {f.name: f for f in dataclasses.fields(RolloutBatch) if f.name != "extras"}
+FIELDS = {f.name: f for f in dataclasses.fields(RolloutBatch) if f.name not in NESTED}
 DTYPES = {"image": torch.uint8, "instruction_ids": torch.int64, "instruction_mask": torch.bool, "policy_version": torch.int64,
            "group_ids": torch.int64, "terminated": torch.bool, "truncated": torch.bool, "valid": torch.bool,
            "success": torch.bool, "action_valid": torch.bool}
@@ -37,19 +37,20 @@ class ChunkError(ValueError):
     """A received chunk does not describe a valid RolloutBatch."""
 
 
-def batch_from_tensors(tensors: dict[str, torch.Tensor], extras: dict[str, Any] | None = None) -> RolloutBatch:
-    """Check names, dtypes and shapes of received tensors and build the batch. ``extras``:
-    the policy's ``rollout_extras()`` (name -> ExtraSpec); its tensors travel as
-    ``extras.<name>``, each ``(T, B, *shape)``."""
-    extras = extras or {}
-    names = FIELDS.keys() | {EXTRAS_PREFIX + k for k in extras}
+def batch_from_tensors(tensors: dict[str, torch.Tensor],
+                       fields: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None) -> RolloutBatch:
+    """Check names, dtypes and shapes of received tensors and build the batch. ``fields``:
+    the job's further tensors, name -> (dtype, shape per step and env): the policy's cameras
+    (``cameras.<name>``) and rollout extras (``extras.<name>``), each ``(T, B, *shape)``
+    (:meth:`swimlane.validate.ChunkSpec.optional_fields`)."""
+    fields = fields or {}
+    names = FIELDS.keys() | fields.keys()
     missing = names - tensors.keys()
     extra = tensors.keys() - names
     if missing or extra:
         raise ChunkError(f"chunk fields: missing {sorted(missing)}, unexpected {sorted(extra)}")
     for name, t in tensors.items():
-        spec = extras.get(name[len(EXTRAS_PREFIX):]) if name.startswith(EXTRAS_PREFIX) else None
-        want = spec.dtype if spec is not None else DTYPES.get(name, torch.float32)
+        want = fields[name][0] if name in fields else DTYPES.get(name, torch.float32)
         if t.dtype != want:
             raise ChunkError(f"chunk field {name}: dtype {t.dtype}, expected {want}")
     t_len, b = tensors["rewards"].shape if tensors["rewards"].dim() == 2 else (-1, -1)
@@ -57,7 +58,7 @@ def batch_from_tensors(tensors: dict[str, torch.Tensor], extras: dict[str, Any] 
             "rewards": (t_len, b), "terminated": (t_len, b), "truncated": (t_len, b), "valid": (t_len, b),
             "policy_version": (t_len, b), "values": (t_len + 1, b), "success": (b,), "group_ids": (b,),
             "instruction_ids": (b,), "instruction_mask": (b,), "action_valid": (t_len, b), "action_log_probs": (t_len, b)}
-    lead.update({EXTRAS_PREFIX + k: (t_len, b, *e.shape) for k, e in extras.items()})
+    lead.update({name: (t_len, b, *shape) for name, (_, shape) in fields.items()})
     for name, shape in lead.items():
         if t_len < 0 or tuple(tensors[name].shape[: len(shape)]) != shape:
             raise ChunkError(f"chunk field {name}: shape {tuple(tensors[name].shape)} does not start with {shape}")
@@ -102,9 +103,9 @@ class RemoteChunkSink:
 class RemoteChunkSource:
     """Learner side of the data plane; invalid chunks are counted and skipped."""
 
-    def __init__(self, receiver: TrajectoryReceiver, extras: dict[str, Any] | None = None):
-        """``extras``: the policy's ``rollout_extras()``, the extra tensors a chunk must carry."""
-        self.receiver, self.extras = receiver, extras or {}
+    def __init__(self, receiver: TrajectoryReceiver, fields: dict[str, Any] | None = None):
+        """``fields``: the further tensors a chunk must carry (see :func:`batch_from_tensors`)."""
+        self.receiver, self.fields = receiver, fields or {}
         self.ended: dict[str, int] = {}  # sender -> chunks it says it sent in all
         self.received: collections.Counter = collections.Counter()  # sender -> chunk messages
         self.invalid = 0
@@ -121,7 +122,7 @@ class RemoteChunkSource:
         try:
             if msg.kind != CHUNK_KIND:
                 raise ChunkError(f"unexpected message kind {msg.kind!r}")
-            return Chunk(batch_from_tensors(msg.tensors, self.extras), msg.meta, None)
+            return Chunk(batch_from_tensors(msg.tensors, self.fields), msg.meta, None)
         except ChunkError as exc:
             self.invalid += 1
             self.receiver.counters.rejected["invalid_chunk"] += 1

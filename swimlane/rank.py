@@ -19,7 +19,7 @@ from dvla.checkpoint import CheckpointManager
 from dvla.config import ConfigError, JobConfig
 from dvla.distributed import mean_over_group, resolve_device
 from dvla.metrics import MetricsLogger
-from dvla.rollout import episode_stats
+from dvla.rollout import cameras_of, episode_stats
 from dvla.types import RolloutBatch
 from planes.buckets import module_weights
 from planes.control import SHUTDOWN
@@ -129,7 +129,7 @@ class RankLanes:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(
             sl, data_plane or cfg.data_plane, rank, world_size, self.placement, self.topology,
-            limits=self.chunk_spec.message_limits(), extras=self.policy.rollout_extras())
+            limits=self.chunk_spec.message_limits(), fields=self.chunk_spec.optional_fields())
 
         # One order of collectives on a learner of several (swimlane/ordering.py).
         self.order = CollectiveOrder(enabled=self.is_learner and sl.learner_ranks > 1, start=self.version,
@@ -211,8 +211,8 @@ class RankLanes:
                 senders=len(self.placement.senders_of(self.placement.routes[self.rank])),
                 max_staleness=self.sl.max_staleness, max_env_failures=self.sl.max_env_failures,
                 rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
-                rollout_ranks=len(self.rollout_ranks), extras=self.policy.rollout_extras(), throttle_s=_THROTTLE_S,
-                poll_s=_POLL_S),
+                rollout_ranks=len(self.rollout_ranks), extras=self.policy.rollout_extras(),
+                cameras=cameras_of(self.policy), throttle_s=_THROTTLE_S, poll_s=_POLL_S),
         )
 
     def _inference_lane(self) -> None:

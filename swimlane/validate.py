@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dvla.types import EXTRAS_PREFIX, RolloutBatch
+from dvla.rollout import cameras_of
+from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, RolloutBatch
 from swimlane.chunks import DTYPES
 
 REASONS = ("shape", "instruction_ids", "non_finite", "version", "extras")
@@ -36,6 +37,8 @@ class ChunkSpec:
     max_tokens: int = 64  # instruction ids per episode, at most (for the size bound)
     extras: tuple[tuple[str, tuple[int, ...], torch.dtype, int | None], ...] = ()
     """(name, shape, dtype, high) of each of the policy's ``rollout_extras()``."""
+    cameras: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    """(name, (C, H, W)) of each further camera the policy reads."""
 
     @classmethod
     def for_policy(cls, policy, n_envs: int, episode_len: int) -> ChunkSpec:
@@ -44,7 +47,8 @@ class ChunkSpec:
                    action_chunk=s.action_chunk, n_envs=n_envs, max_steps=episode_len,
                    vocab_size=getattr(policy.tokenizer, "vocab_size", None),
                    max_tokens=getattr(policy.tokenizer, "max_len", 64),
-                   extras=tuple((k, tuple(e.shape), e.dtype, e.high) for k, e in policy.rollout_extras().items()))
+                   extras=tuple((k, tuple(e.shape), e.dtype, e.high) for k, e in policy.rollout_extras().items()),
+                   cameras=tuple(cameras_of(policy).items()))
 
     def shapes(self, t: int, max_tokens: int) -> dict[str, tuple[int, ...]]:
         b = self.n_envs
@@ -54,11 +58,17 @@ class ChunkSpec:
                 "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens),
                 "instruction_mask": (b, max_tokens),
                 "action_valid": (t, b, self.action_chunk), "action_log_probs": (t, b, self.action_chunk, self.action_dim),
-                **{EXTRAS_PREFIX + name: (t, b, *shape) for name, shape, _, _ in self.extras}}
+                **{name: (t, b, *shape) for name, (_, shape) in self.optional_fields().items()}}
+
+    def optional_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The job's further chunk tensors, name -> (dtype, shape per step and env): the
+        policy's cameras and rollout extras."""
+        return {**{CAMERAS_PREFIX + n: (torch.uint8, tuple(shape)) for n, shape in self.cameras},
+                **{EXTRAS_PREFIX + n: (d, tuple(shape)) for n, shape, d, _ in self.extras}}
 
     def dtype(self, name: str) -> torch.dtype:
-        extra = {EXTRAS_PREFIX + n: d for n, _, d, _ in self.extras}
-        return extra.get(name) or DTYPES.get(name, torch.float32)
+        optional = self.optional_fields()
+        return optional[name][0] if name in optional else DTYPES.get(name, torch.float32)
 
     def tensor_bytes(self) -> dict[str, int]:
         """Bytes of each tensor of the largest legal chunk (the data plane's dtypes)."""

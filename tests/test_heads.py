@@ -79,7 +79,7 @@ def test_recorded_chains_reach_the_learner_and_score_a_ratio_of_one():
     assert chain.shape == (batch.num_steps, env.n_envs, 3, 2, env.spec.action_dim) and chain.abs().sum() > 0
     # Through the data plane's decoding, checked against the policy's declaration.
     spec = ChunkSpec.for_policy(policy, env.n_envs, 5)
-    again = batch_from_tensors(batch.to_dict(), policy.rollout_extras())
+    again = batch_from_tensors(batch.to_dict(), spec.optional_fields())
     assert torch.equal(again.extras["chain"], chain) and check_chunk(again, spec, learner_version=0) is None
     # The learner, at the rollout's weights, finds the behaviour log-probs again: ratio 1.
     t, b = batch.valid.nonzero(as_tuple=True)
@@ -89,7 +89,7 @@ def test_recorded_chains_reach_the_learner_and_score_a_ratio_of_one():
     # A chunk without its chain, or with a chain of the wrong shape or with NaN, is refused.
     tensors = batch.to_dict()
     with pytest.raises(ChunkError, match=r"missing \['extras.chain'\]"):
-        batch_from_tensors({k: v for k, v in tensors.items() if k != "extras.chain"}, policy.rollout_extras())
+        batch_from_tensors({k: v for k, v in tensors.items() if k != "extras.chain"}, spec.optional_fields())
     with pytest.raises(ChunkError, match="unexpected"):
         batch_from_tensors(tensors)  # a learner whose policy records no chain
     short = type(batch).from_dict({**tensors, "extras.chain": chain[:, :, :2]})

@@ -87,12 +87,14 @@ def test_lora_adapters_train_and_the_base_weights_stay(tmp_path):
     assert any(not torch.equal(before[n], after[n]) for n in lora)
 
 
-def test_action_tokens_and_lora_travel_under_torchrun(tmp_path):
+def test_action_tokens_cameras_and_lora_travel_under_torchrun(tmp_path):
     """Two processes: rank 1 decodes action tokens over its KV cache and sends them with each
-    chunk over ZeroMQ; rank 0 checks them against the vocabulary and learns (LoRA)."""
+    chunk (and the images of two cameras, 16 and 8 px) over ZeroMQ; rank 0 checks them
+    against the vocabulary and the cameras' sizes and learns (LoRA)."""
     out = tmp_path / "tok"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "dvla.launch", "--preset", "debug", "run.iterations=3", *TINY, "policy.options.lora_rank=4",
+           "env.options.wrist_camera=8",
            "policy.action_chunk=2", "swimlane.colocate=false", "run.torch_threads=1",
            f"run.out_dir={out.parent}", f"run.name={out.name}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,

@@ -34,15 +34,17 @@ from torch import Tensor
 from dvla.algos.losses import clipped_policy_loss
 from dvla.config import AlgoConfig
 from dvla.policy import VLAPolicy
-from dvla.types import EXTRAS_PREFIX, Observation, RolloutBatch
+from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
 
 _PROXIMAL_INPUTS = ("image", "proprio", "ids", "ids_mask", "actions", "action_valid")
 
 
 def obs_of(mb: dict[str, Tensor]) -> Observation:
     """The (prepared) observations of a flattened minibatch."""
+    n = len(CAMERAS_PREFIX)
     return Observation(image=mb["image"], proprio=mb["proprio"], instruction_ids=mb["ids"],
-                       instruction_mask=mb["ids_mask"])
+                       instruction_mask=mb["ids_mask"],
+                       cameras={k[n:]: v for k, v in mb.items() if k.startswith(CAMERAS_PREFIX)})
 
 
 def extras_of(mb: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -116,6 +118,7 @@ class Algorithm(ABC):
             "adv": adv[t_idx, b_idx],
             "ret": ret[t_idx, b_idx],
             "old_value": batch.values[t_idx, b_idx],
+            **{CAMERAS_PREFIX + k: v[t_idx, b_idx] for k, v in batch.cameras.items()},
             **{EXTRAS_PREFIX + k: v[t_idx, b_idx] for k, v in batch.extras.items()},
         }
 
@@ -184,7 +187,8 @@ class Algorithm(ABC):
                         prox = data["behav_logp"].clone()
                         rows = stale.nonzero(as_tuple=True)[0]
                         prox[rows] = self.proximal_log_probs(
-                            {k: v[rows] for k, v in data.items() if k in _PROXIMAL_INPUTS or k.startswith(EXTRAS_PREFIX)},
+                            {k: v[rows] for k, v in data.items()
+                             if k in _PROXIMAL_INPUTS or k.startswith((EXTRAS_PREFIX, CAMERAS_PREFIX))},
                             chunk)
                         data["prox_logp"] = prox
         self.policy.train(self.cfg.train_mode)  # eval by default: the rollouts' mode (algo.train_mode)

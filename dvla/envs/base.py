@@ -25,9 +25,11 @@ from dvla.types import Observation, StepResult
 
 @dataclass(frozen=True)
 class EnvSpec:
-    image_shape: tuple[int, int, int]  # (C, H, W)
+    image_shape: tuple[int, int, int]  # (C, H, W) of the main camera
     proprio_dim: int
     action_dim: int
+    cameras: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    """Further named cameras the observations carry (``Observation.cameras``): (name, (C, H, W))."""
 
 
 class BatchedEnv(ABC):

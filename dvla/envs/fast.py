@@ -3,8 +3,10 @@
 A point effector moves in the plane ``[-1, 1]^2`` by ``max_delta * action`` per control
 step. ``n_targets`` coloured targets are drawn; the instruction names the one to reach
 ("move to the red target"). The camera image is a top-down rendering: targets are
-coloured discs, the effector a white disc. Proprio is the effector position (and,
-with ``options.privileged=true``, the goal position too, for state-based baselines).
+coloured discs, the effector a white disc. ``options.wrist_camera=N`` adds a second
+camera (``Observation.cameras["wrist"]``, N x N pixels): a close view centred on the
+effector. Proprio is the effector position (and, with ``options.privileged=true``, the goal
+position too, for state-based baselines).
 
 It runs thousands of steps per second, which makes it the env of choice for tests
 and for measuring framework overhead; ``options.render_cost_ms`` adds that much CPU work
@@ -36,13 +38,15 @@ COLORS = {
 
 class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
-               "render_cost_ms": 0.0}
+               "render_cost_ms": 0.0, "wrist_camera": 0}
+    WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
     def spec_for(cls, cfg: EnvConfig) -> EnvSpec:
         privileged = bool(cls.options_of(cfg, cls.OPTIONS)["privileged"])
-        s = cfg.image_size
-        return EnvSpec(image_shape=(3, s, s), proprio_dim=4 if privileged else 2, action_dim=2)
+        s, w = cfg.image_size, int(cls.options_of(cfg, cls.OPTIONS)["wrist_camera"])
+        cameras = (("wrist", (3, w, w)),) if w else ()
+        return EnvSpec(image_shape=(3, s, s), proprio_dim=4 if privileged else 2, action_dim=2, cameras=cameras)
 
     @classmethod
     def check_config(cls, cfg: EnvConfig) -> dict:
@@ -55,6 +59,9 @@ class FastReachEnv(GoalEnv):
             v = opts[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
+        w = opts["wrist_camera"]
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            raise ConfigError(f"env.options.wrist_camera: the wrist camera's side in pixels (0: none), got {w!r}")
         if not isinstance(opts["privileged"], bool):
             raise ConfigError(f"env.options.privileged: must be true or false, got {opts['privileged']!r}")
         return opts
@@ -67,6 +74,7 @@ class FastReachEnv(GoalEnv):
         self.privileged = bool(opts["privileged"])
         self.success_threshold = float(opts["radius"])
         self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
+        self.wrist = int(opts["wrist_camera"])
         s = cfg.image_size
         self.spec = self.spec_for(cfg)
         lin = torch.linspace(-1.0, 1.0, s, device=self.device)
@@ -98,13 +106,22 @@ class FastReachEnv(GoalEnv):
     def _distance(self) -> Tensor:
         return (self.pos - self.goal).norm(dim=-1)
 
-    def _render(self) -> Tensor:
-        b, s = self.n_envs, self.cfg.image_size
+    def _render(self, size: int | None = None, around: Tensor | None = None) -> Tensor:
+        """The top-down view; with ``around`` ((B, 2)), a ``size``-pixel view of half-width
+        ``WRIST_VIEW`` centred there (the wrist camera)."""
+        b, s = self.n_envs, size or self.cfg.image_size
         img = torch.zeros(b, 3, s, s, device=self.device)
         sigma2 = 2 * (0.06**2)
+        if around is None:
+            gx, gy = self._gx, self._gy
+        else:
+            lin = torch.linspace(-self.WRIST_VIEW, self.WRIST_VIEW, s, device=self.device)
+            gy, gx = torch.meshgrid(lin, lin, indexing="ij")
+            gx = gx + around[:, 0, None, None]
+            gy = gy + around[:, 1, None, None]
 
         def blob(p: Tensor) -> Tensor:  # (B, 2) -> (B, 1, S, S)
-            d2 = (self._gx - p[:, 0, None, None]) ** 2 + (self._gy - p[:, 1, None, None]) ** 2
+            d2 = (gx - p[:, 0, None, None]) ** 2 + (gy - p[:, 1, None, None]) ** 2
             return torch.exp(-d2 / sigma2).unsqueeze(1)
 
         for j in range(self.n_targets):
@@ -123,4 +140,5 @@ class FastReachEnv(GoalEnv):
         )
         names = [self._names[i] for i in self.goal_idx.tolist()]
         instruction = [f"move to the {n} target" for n in names]
-        return Observation(image=image, proprio=proprio, instruction=instruction)
+        cameras = {"wrist": self._render(self.wrist, around=self.pos)} if self.wrist else {}
+        return Observation(image=image, proprio=proprio, instruction=instruction, cameras=cameras)

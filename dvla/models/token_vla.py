@@ -5,6 +5,8 @@ them into a Llama-style causal language model's embedding space, followed by the
 instruction (the real tokenizer's ids, with its attention mask) and one embedding of the
 proprioceptive state. Actions are tokens on the last ``n_bins`` ids of the vocabulary
 (:mod:`dvla.heads.tokens`), decoded autoregressively over the KV cache or in parallel.
+Every camera the env declares (the main one and ``Observation.cameras``, each at its own
+resolution) is resized for the tower and its patches marked with a learned camera embedding.
 
 * ``size``: ``tiny`` (0.26M parameters, trains on a CPU), ``0.5b`` (a SigLIP-B/16 tower and
   a 24-layer, 896-wide LM: 0.45B parameters with the built-in tokenizer's vocabulary) or
@@ -22,6 +24,7 @@ Needs the ``[vla]`` extra (``transformers``, ``tokenizers``, ``peft`` for LoRA).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -84,6 +87,8 @@ class TokenVLA(VLAPolicy):
         lora_targets: list = field(default_factory=lambda: ["q_proj", "v_proj"])
         value_head: bool = False
         """A value MLP on the pooled prefix (PPO); GRPO needs none."""
+        cameras: list | None = None
+        """Further cameras to read besides the main one (names from the env); None: all of them."""
 
         def _validate(self) -> list[tuple[str, str]]:
             errs = []
@@ -103,6 +108,7 @@ class TokenVLA(VLAPolicy):
         super().__init__(spec=spec, config=config)
         tf = _transformers()
         root = Path(config.pretrained_path) if config.pretrained_path else None
+        self.cameras_used = tuple(name for name, _ in spec.cameras) if config.cameras is None else tuple(config.cameras)
         self.tokenizer = self._make_tokenizer(config, root)
         shapes = SIZES[config.size]
         v_cfg = tf.SiglipVisionConfig(**{**shapes["vision"], "num_channels": spec.image_shape[0], **config.vision})
@@ -123,6 +129,7 @@ class TokenVLA(VLAPolicy):
         self.projector = nn.Sequential(nn.Linear(self.vision.config.hidden_size, hidden), nn.GELU(),
                                        nn.Linear(hidden, hidden))
         self.state_proj = nn.Linear(spec.proprio_dim, hidden)
+        self.camera_embed = nn.Parameter(torch.zeros(1 + len(self.cameras_used), hidden))  # which camera a patch is from
         self.action_head = TokenActionHead(vocab_size=self.lm.config.vocab_size, n_bins=config.n_bins,
                                            action_chunk=spec.action_chunk, action_dim=spec.action_dim,
                                            hidden_size=hidden, decoding=config.decoding)
@@ -159,17 +166,24 @@ class TokenVLA(VLAPolicy):
     def rollout_extras(self):
         return self.action_head.rollout_extras()
 
-    def preprocess(self, image: Tensor) -> Tensor:
-        """uint8 ``(B, C, H, W)`` -> the vision tower's input: resized to its image size and
-        scaled to [-1, 1] (SigLIP's normalisation, mean and std 0.5)."""
+    def _pixels(self, image: Tensor) -> Tensor:
         x = image.float() * (1.0 / 255.0)
         if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
             x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
         return (x - 0.5) / 0.5
 
+    def preprocess(self, obs: Observation) -> Observation:
+        """Every camera (uint8, each its own size) -> the vision tower's input: resized to its
+        image size and scaled to [-1, 1] (SigLIP's normalisation, mean and std 0.5)."""
+        return dataclasses.replace(obs, image=self._pixels(obs.image),
+                                   cameras={k: self._pixels(v) for k, v in obs.cameras.items()})
+
     def forward(self, obs: Observation) -> PolicyOutput:
-        patches = self.vision(pixel_values=self.preprocess(obs.image)).last_hidden_state
-        vis = self.projector(patches)
+        views = list(obs.images.values())  # the main camera, then cameras_used in order
+        b = obs.batch_size
+        patches = self.vision(pixel_values=torch.cat(views)).last_hidden_state  # all cameras in one pass
+        vis = self.projector(patches).reshape(len(views), b, patches.shape[1], -1)
+        vis = (vis + self.camera_embed[: len(views), None, None, :]).transpose(0, 1).reshape(b, -1, vis.shape[-1])
         text = self.lm.get_input_embeddings()(obs.instruction_ids).to(vis.dtype)
         state = self.state_proj(obs.proprio.float()).unsqueeze(1)
         prefix = torch.cat([vis, text, state], dim=1)

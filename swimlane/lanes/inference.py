@@ -28,7 +28,8 @@ def cat_obs(obs: list[Observation], lease=None) -> Observation:
     texts = None if any(o.instruction is None for o in obs) else [t for o in obs for t in o.instruction]
     return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]), instruction=texts,
                        instruction_ids=cat([o.instruction_ids for o in obs]),
-                       instruction_mask=cat([o.instruction_mask for o in obs]))
+                       instruction_mask=cat([o.instruction_mask for o in obs]),
+                       cameras={k: cat([o.cameras[k] for o in obs]) for k in obs[0].cameras})
 
 
 class InferenceLane:

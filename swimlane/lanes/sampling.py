@@ -49,6 +49,7 @@ class SamplingConfig:
     rollout_index: int  # this rank's position among the rollout ranks (episode group ids)
     rollout_ranks: int
     extras: dict = field(default_factory=dict)  # name -> ExtraSpec: what the policy records beside actions
+    cameras: dict = field(default_factory=dict)  # name -> (C, H, W): the further cameras the policy reads
     throttle_s: float = 2.0
     poll_s: float = 0.05
 
@@ -96,7 +97,7 @@ class SamplingLane:
                 state.lease = self.host_pool.lease()
                 alloc = state.lease.empty
             state.recorder = EpisodeRecorder(env, self.cfg.action_chunk, self.cfg.episode_len, alloc=alloc,
-                                             extras=self.cfg.extras)
+                                             extras=self.cfg.extras, cameras=self.cfg.cameras)
             state.recorder.start(obs)
         self.requests.put(Request(g, "act", obs))
 
