@@ -53,7 +53,7 @@ class EnvConfig:
     """Reward on the step that reaches the goal."""
     options: dict[str, Any] = field(default_factory=dict)
     """Backend-specific options, validated by the env itself. fast_reach: ``n_targets,
-    max_delta, radius, privileged, render_cost_ms``; genesis: ``max_delta,
+    max_delta, radius, privileged, render_cost_ms, wrist_camera``; genesis: ``max_delta,
     substeps_per_action, dt, privileged, vis_mode, action_mode``; gym: ``gym_id, instruction, image_key,
     make_kwargs``."""
 
@@ -81,7 +81,9 @@ class PolicyConfig:
     """Actions predicted per decision (action chunking); the env executes them in order."""
     options: dict[str, Any] = field(default_factory=dict)
     """The policy's own ``Config`` (tiny_vla: ``hidden_dim, vision_channels, embed_dim,
-    vocab_size, max_tokens, head, n_bins, init_log_std, value_head``)."""
+    vocab_size, max_tokens, head (bins|gaussian|flow), n_bins, flow_steps, init_log_std,
+    value_head``; token_vla: ``size (tiny|0.5b|7b), vision, lm, n_bins, decoding, tokenizer,
+    max_tokens, pretrained_path, lora_rank, lora_alpha, lora_targets, value_head, cameras``)."""
 
     def _validate(self) -> list[tuple[str, str]]:
         if self.action_chunk < 1:
