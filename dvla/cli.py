@@ -5,6 +5,7 @@
                                                  lanes, Gantt, memory) and a text summary
     dvla trace [RUN_DIR] [--out PNG] [--last S]  lane utilisation and a swimlane Gantt chart
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
+    dvla plan --params token_vla:size=7b         ... for a registered policy's parameter count
     dvla config-ref [--write README.md]          the configuration reference, from the code
     dvla bench [NAME [ARGS ...]]                 list the benchmarks, or run bench/NAME.py
 
@@ -216,7 +217,44 @@ def main(argv: list[str] | None = None) -> int:
         return config_ref(rest)
     from launch.plan_cli import main as plan
 
+    try:
+        rest = policy_params(rest)
+    except ValueError as exc:
+        print(f"dvla plan: {exc}", file=sys.stderr)
+        return 2
     return plan(rest)
+
+
+def policy_params(argv: list[str]) -> list[str]:
+    """``--params POLICY[:KEY=VALUE,...]`` (a registered policy and options) -> ``--params N``,
+    its parameter count, from the model built on the meta device (no memory, no weights)."""
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--params" and i + 1 < len(argv) else None
+        if value is None and arg.startswith("--params="):
+            value = arg.split("=", 1)[1]
+        if value is None or not value[:1].isalpha():
+            continue
+        import torch
+
+        from dvla.config import ConfigError, parse_override
+        from dvla.models import TinyVLA  # noqa: F401 (registers the built-in policies)
+        from dvla.policy import PolicySpec, build_policy
+
+        name, _, opts = value.partition(":")
+        try:
+            options = {k: v for kv in opts.split(",") if kv for k, v in parse_override(kv).items()}
+            with torch.device("meta"):  # a 7B model's shapes, not its memory
+                policy = build_policy(name, PolicySpec((3, 224, 224), 8, 7, 1), options)
+        except (ConfigError, ValueError) as exc:
+            raise ValueError(f"--params {value}: {exc}") from None
+        count = str(sum(p.numel() for p in policy.parameters()))
+        if arg == "--params":
+            argv[i + 1] = count
+        else:
+            argv[i] = f"--params={count}"
+        break
+    return argv
 
 
 if __name__ == "__main__":

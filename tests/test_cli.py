@@ -36,6 +36,20 @@ def test_plan_prints_the_model(capsys):
     assert "copies hier" in out and "alpha" in out
 
 
+def test_plan_takes_a_registered_policys_parameter_count(capsys):
+    """``--params token_vla:size=7b``: the named size's count (built on the meta device)."""
+    pytest.importorskip("transformers")
+    from dvla.cli import policy_params
+
+    count = int(policy_params(["--nodes", "8", "--params", "token_vla:size=7b"])[-1])
+    assert 6.5e9 < count < 7.5e9
+    assert int(policy_params(["--params=token_vla:size=0.5b"])[0].split("=")[1]) < 1e9
+    assert main(["plan", "--nodes", "1,16", "--params", "token_vla:size=7b"]) == 0
+    assert "copies hier" in capsys.readouterr().out
+    assert main(["plan", "--params", "no_such_policy"]) == 2
+    assert "--params no_such_policy: policy.name: unknown policy" in capsys.readouterr().err
+
+
 def test_keys_makes_one_persistent_keypair_per_rank(tmp_path, capsys):
     from planes.keys import load_client_keys
 
