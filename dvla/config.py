@@ -144,9 +144,18 @@ class AlgoConfig:
     learns. False: eval mode, the mode rollouts sample in, so that the importance ratio of
     unchanged weights is exactly 1 (with dropout in train mode it is not: the ratio would
     measure the dropout noise, not the policy's change)."""
+    micro_batch: int = 0
+    """Samples per forward and backward pass: a minibatch larger than this accumulates the
+    gradients of its micro-batches before its one optimizer step (the same update, in less
+    activation memory). 0: the whole minibatch in one pass."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: the learner's forward passes and losses run under ``torch.autocast`` in
+    bfloat16; weights, gradients and optimizer state stay fp32."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
+        if self.micro_batch < 0:
+            errs.append(("micro_batch", f"must be >= 0 (0: the whole minibatch), got {self.micro_batch}"))
         if self.lr <= 0:
             errs.append(("lr", f"must be > 0, got {self.lr}"))
         if self.group_size < 1:

@@ -102,24 +102,47 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None) -> None:
-    """Average gradients over ``group`` (default: the default process group) as one flat
-    buffer. A parameter without a gradient counts as zero, so every rank sends the same
+GRAD_BUCKET_BYTES = 32 << 20
+
+
+def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None,
+                         bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
+    """Average gradients over ``group`` (default: the default process group), bucket by
+    bucket: consecutive gradients of one dtype and device up to ``bucket_bytes`` are packed
+    into one buffer for one all-reduce, and a gradient as large as a bucket is reduced in
+    place, so that no copy of all gradients at once is ever made (at most one bucket's
+    worth). A parameter without a gradient counts as zero, so every rank sends the same
     layout even when some parameters were unused on it."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
-        offset += n
+    world = dist.get_world_size(group)
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if len(bucket) == 1:  # alone in its bucket: reduced where it lies
+            dist.all_reduce(bucket[0], group=group)
+            bucket[0].div_(world)
+        elif bucket:
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        bucket, size = [], 0
+
+    for p in params:
+        g = p.grad
+        nbytes = g.numel() * g.element_size()
+        if bucket and (size + nbytes > bucket_bytes or g.dtype != bucket[0].dtype or g.device != bucket[0].device):
+            flush()
+        bucket.append(g)
+        size += nbytes
+    flush()
 
 
 def mean_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:

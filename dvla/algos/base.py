@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from dvla.algos.losses import clipped_policy_loss
+from dvla.algos.losses import clipped_policy_loss, masked_mean
 from dvla.config import AlgoConfig
 from dvla.policy import VLAPolicy
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
@@ -96,6 +96,7 @@ class Algorithm(ABC):
         opt = torch.optim.AdamW if cfg.weight_decay else torch.optim.Adam
         self.optimizer = opt(groups, lr=cfg.lr, eps=1e-5, weight_decay=cfg.weight_decay)
         self.grad_sync = grad_sync
+        self._totals: tuple[float, float] | None = None  # (samples, counted entries) of the minibatch, when micro-batched
 
     @abstractmethod
     def advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
@@ -229,28 +230,64 @@ class Algorithm(ABC):
         else:
             self.optimizer.zero_grad(set_to_none=True)
 
+    def mean(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """A loss term's mean over the current minibatch (samples, or the counted entries of
+        ``mask``), summed over its micro-batches: each contributes its share."""
+        if self._totals is None:  # one pass over the whole minibatch
+            return masked_mean(x, mask)
+        n, counted = self._totals
+        return masked_mean(x, mask, counted if mask is not None else n)
+
+    def _autocast(self):
+        return torch.autocast(self.policy.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
+
     def _step(self, mb: dict[str, Tensor]) -> dict[str, float]:
+        """One optimizer step on a minibatch, its gradient accumulated over micro-batches of
+        ``algo.micro_batch`` samples."""
+        n = mb["adv"].shape[0]
+        size = self.cfg.micro_batch or n
+        self._totals = None
+        if size < n:  # each micro-batch's terms are its share of the minibatch's means
+            mask = self._mask(mb, mb["behav_logp"])  # the granularity of the ratio
+            self._totals = (float(n), max(float(mask.sum()), 1.0) if mask is not None else float(n))
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for s in range(0, n, size):
+            with self._autocast():
+                loss, stats = self._loss({k: v[s : s + size] for k, v in mb.items()})
+            loss.backward()
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return self._apply_gradients(sums)
+
+    def _loss(self, mb: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        """A micro-batch's share of the minibatch's loss, and of its diagnostics."""
         obs = obs_of(mb)
         out = self.policy.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio, extras_of(mb))
         mask = self._mask(mb, out.log_probs)
+        total = None if self._totals is None else self._totals[1 if mask is not None else 0]
         if "prox_alpha" in mb:  # off-policy, proximal log-probs interpolated (algo.proximal=loglinear)
             behav = mb["behav_logp"]
             alpha = mb["prox_alpha"].reshape(-1, *([1] * (behav.dim() - 1)))
             prox = behav + alpha * (out.log_probs.detach() - behav)
             pl, pstats = clipped_policy_loss(out.log_probs, prox, mb["adv"], self.cfg.clip_eps,
-                                             behav_log_probs=behav, max_is_weight=self.cfg.max_is_weight, mask=mask)
+                                             behav_log_probs=behav, max_is_weight=self.cfg.max_is_weight, mask=mask,
+                                             total=total)
         elif "prox_logp" in mb:  # off-policy: trust region around the proximal policy
             pl, pstats = clipped_policy_loss(out.log_probs, mb["prox_logp"], mb["adv"], self.cfg.clip_eps,
                                              behav_log_probs=mb["behav_logp"],
-                                             max_is_weight=self.cfg.max_is_weight, mask=mask)
+                                             max_is_weight=self.cfg.max_is_weight, mask=mask, total=total)
         else:
             pl, pstats = clipped_policy_loss(out.log_probs, mb["behav_logp"], mb["adv"], self.cfg.clip_eps,
-                                             mask=mask)
-        entropy = out.entropy.mean()
+                                             mask=mask, total=total)
+        entropy = self.mean(out.entropy.float())
         extra, estats = self.extra_loss(mb, out)
         loss = pl - self.cfg.entropy_coef * entropy + extra
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        stats = {"loss": loss.detach(), "policy_loss": pl.detach(), "entropy": entropy.detach(), **pstats, **estats}
+        return loss, stats
+
+    def _apply_gradients(self, sums: dict[str, float]) -> dict[str, float]:
+        """Average the accumulated gradients over the learners, clip, step."""
         if self.grad_sync is not None:
             self.grad_sync(self.params)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
@@ -261,8 +298,4 @@ class Algorithm(ABC):
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        stats = {"loss": loss.item(), "policy_loss": pl.item(), "entropy": entropy.item(),
-                 "grad_norm": float(grad_norm), "non_finite_steps": float(not finite)}
-        stats.update({k: float(v) for k, v in pstats.items()})
-        stats.update({k: float(v) for k, v in estats.items()})
-        return stats
+        return {**sums, "grad_norm": float(grad_norm), "non_finite_steps": float(not finite)}

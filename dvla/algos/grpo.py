@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from dvla.algos.base import Algorithm, extras_of, obs_of
-from dvla.algos.losses import group_normalized_advantages, kl_k3, masked_mean
+from dvla.algos.losses import group_normalized_advantages, kl_k3
 from dvla.types import RolloutBatch
 
 
@@ -40,5 +40,5 @@ class GRPO(Algorithm):
         with torch.no_grad():
             ref_lp = self.reference.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio,
                                              extras_of(mb)).log_probs
-        kl = masked_mean(kl_k3(out.log_probs, ref_lp), self._mask(mb, out.log_probs))
+        kl = self.mean(kl_k3(out.log_probs, ref_lp), self._mask(mb, out.log_probs))
         return self.cfg.kl_coef * kl, {"kl_ref": kl.detach()}

@@ -9,12 +9,14 @@ import torch
 from torch import Tensor
 
 
-def masked_mean(x: Tensor, mask: Tensor | None) -> Tensor:
-    """Mean of the entries of ``x`` where ``mask`` is true (all of them for None)."""
+def masked_mean(x: Tensor, mask: Tensor | None, total: float | None = None) -> Tensor:
+    """Mean of the entries of ``x`` where ``mask`` is true (all of them for None).
+    ``total``: divide by this count instead of the entries counted here (a micro-batch's
+    share of its minibatch's mean: the shares add up to the mean)."""
     if mask is None:
-        return x.mean()
+        return x.mean() if total is None else x.sum() / total
     m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1.0)
+    return (x * m).sum() / (m.sum().clamp(min=1.0) if total is None else total)
 
 
 def clipped_policy_loss(
@@ -25,6 +27,7 @@ def clipped_policy_loss(
     behav_log_probs: Tensor | None = None,
     max_is_weight: float | None = None,
     mask: Tensor | None = None,
+    total: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO's clipped surrogate in its decoupled form.
 
@@ -36,7 +39,8 @@ def clipped_policy_loss(
     Log-probs are ``(N,)`` (a joint ratio per sample) or ``(N, ...)`` (per chunk step or
     per action dimension: each entry its own ratio, clipped and weighted on its own);
     ``advantages`` ``(N,)`` is shared by a sample's entries, and ``mask`` (the shape of
-    the log-probs) says which entries count.
+    the log-probs) says which entries count. ``total``: the count to average over (a
+    micro-batch's share of its minibatch, see :func:`masked_mean`).
 
     Returns the mean loss over the counted entries and diagnostics (with behaviour
     log-probs, also the mean importance weight before truncation and the share truncated).
@@ -44,7 +48,7 @@ def clipped_policy_loss(
     advantages = advantages.reshape(-1, *([1] * (new_log_probs.dim() - 1)))
 
     def mean(x: Tensor) -> Tensor:
-        return masked_mean(x, mask)
+        return masked_mean(x, mask, total)
 
     log_ratio = new_log_probs - prox_log_probs
     ratio = log_ratio.exp()

@@ -28,5 +28,5 @@ class PPO(Algorithm):
         return adv * valid.float(), ret
 
     def extra_loss(self, mb, out):
-        value_loss = 0.5 * (out.values - mb["ret"]).pow(2).mean()
+        value_loss = self.mean(0.5 * (out.values.float() - mb["ret"]).pow(2))
         return self.cfg.value_coef * value_loss, {"value_loss": value_loss.detach()}
