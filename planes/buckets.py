@@ -22,6 +22,7 @@ class LayoutMismatchError(RuntimeError):
 class Bucket:
     flat: Tensor
     names: list[str]
+    frozen: bool = False  # holds only frozen parameters: a broadcast sends it once
 
 
 def named_weights(module: nn.Module) -> list[tuple[str, Tensor]]:
@@ -60,15 +61,17 @@ def _default_alloc(numel: int, dtype: torch.dtype, device: torch.device, tag: st
 
 @torch.no_grad()
 def layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket_bytes: int,
-                    device: torch.device, alloc: Alloc | None = None, tag: str = "weights") -> list[Bucket]:
-    """Allocate flat buckets (at most ``bucket_bytes``, one dtype each) and rebind every
-    entry of ``module`` to its view in them."""
+                    device: torch.device, alloc: Alloc | None = None, tag: str = "weights",
+                    frozen: frozenset[str] = frozenset()) -> list[Bucket]:
+    """Allocate flat buckets (at most ``bucket_bytes``, one dtype each, the ``frozen``
+    entries in buckets of their own) and rebind every entry of ``module`` to its view in
+    them."""
     alloc = alloc or _default_alloc
     buckets: list[Bucket] = []
-    by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+    by_kind: dict[tuple[bool, torch.dtype], list[tuple[str, Tensor]]] = {}
     for name, t in entries:
-        by_dtype.setdefault(t.dtype, []).append((name, t))
-    for dtype, items in by_dtype.items():
+        by_kind.setdefault((name in frozen, t.dtype), []).append((name, t))
+    for (is_frozen, dtype), items in by_kind.items():
         itemsize = torch.empty((), dtype=dtype).element_size()
         cap = max(1, bucket_bytes // itemsize)
         group: list[tuple[str, Tensor]] = []
@@ -80,7 +83,7 @@ def layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket_
                 for name, t in group:
                     _rebind(module, name, flat[off : off + t.numel()].view_as(t))
                     off += t.numel()
-                buckets.append(Bucket(flat, [n for n, _ in group]))
+                buckets.append(Bucket(flat, [n for n, _ in group], is_frozen))
                 group, size = [], 0
             if item is not None:
                 group.append(item)
@@ -96,8 +99,14 @@ def flat_buckets(module: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, al
     return [b.flat for b in layout_buckets(module, entries, bucket_bytes, entries[0][1].device, alloc, tag)]
 
 
-def layout_checksum(entries: list[tuple[str, Tensor]], bucket_bytes: int) -> int:
+def frozen_names(module: nn.Module) -> frozenset[str]:
+    """The parameters that do not train (``requires_grad=False``: a frozen backbone, the
+    base weights under LoRA adapters)."""
+    return frozenset(n for n, p in module.named_parameters() if not p.requires_grad)
+
+
+def layout_checksum(entries: list[tuple[str, Tensor]], bucket_bytes: int, frozen: frozenset[str] = frozenset()) -> int:
     h = hashlib.sha256(str(bucket_bytes).encode())
     for name, t in entries:
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{name in frozen};".encode())
     return int.from_bytes(h.digest()[:8], "little") & ((1 << 63) - 1)

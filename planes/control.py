@@ -110,11 +110,15 @@ class WeightBroadcaster:
 
     ``group`` holds every rank of the control plane (the layout check runs on it, and so
     does the broadcast unless ``stages`` gives this rank's part of a tree, see
-    :func:`hierarchical_stages`)."""
+    :func:`hierarchical_stages`).
+
+    ``frozen``: names of parameters that never change (a frozen backbone, LoRA's base
+    weights). They get buckets of their own, which go out with the first version only: later
+    versions carry the trainable weights alone (``last_version_bytes`` says how much)."""
 
     def __init__(self, module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, stages: list[Stage] | None = None,
-                 alloc: Alloc | None = None):
+                 alloc: Alloc | None = None, frozen: frozenset[str] = frozenset()):
         if bucket_bytes < 1:
             raise ValueError(f"control_plane.bucket_bytes: must be >= 1, got {bucket_bytes}")
         self.module = module
@@ -139,10 +143,13 @@ class WeightBroadcaster:
             raise ValueError("control plane: the module has no parameters to broadcast")
         self.device = entries[0][1].device
         self.names = [n for n, _ in entries]
-        self.checksum = layout_checksum(entries, bucket_bytes)
+        self.frozen = frozenset(frozen)
+        self.checksum = layout_checksum(entries, bucket_bytes, self.frozen)
         self._check_layout()
         self.buckets = self._build_buckets(entries)
         self.nbytes = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
+        self.frozen_sent = False  # source: the frozen buckets went out; receiver: they came in
+        self.last_version_bytes = 0  # bytes of the last version sent or received (once, not per stage)
         self._version_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.version = -1
 
@@ -162,7 +169,8 @@ class WeightBroadcaster:
             )
 
     def _build_buckets(self, entries: list[tuple[str, Tensor]]) -> list[Bucket]:
-        buckets = layout_buckets(self.module, entries, self.bucket_bytes, self.device, self.alloc, "broadcast")
+        buckets = layout_buckets(self.module, entries, self.bucket_bytes, self.device, self.alloc, "broadcast",
+                                 self.frozen)
         self._ptrs = [t.data_ptr() for _, t in named_weights(self.module)]
         return buckets
 
@@ -171,9 +179,20 @@ class WeightBroadcaster:
         out in buckets of this broadcaster's layout and return its flat tensors, so that
         ``receive(into=...)`` writes straight into it. No collective is involved."""
         entries = named_weights(module)
-        if layout_checksum(entries, self.bucket_bytes) != self.checksum:
+        if layout_checksum(entries, self.bucket_bytes, self.frozen) != self.checksum:
             raise LayoutMismatchError("control plane: bind_replica() got a module with a different layout")
-        return [b.flat for b in layout_buckets(module, entries, self.bucket_bytes, self.device, self.alloc, tag)]
+        return [b.flat for b in layout_buckets(module, entries, self.bucket_bytes, self.device, self.alloc, tag,
+                                               self.frozen)]
+
+    @property
+    def frozen_buckets(self) -> list[int]:
+        """Indices of the buckets of frozen parameters."""
+        return [i for i, b in enumerate(self.buckets) if b.frozen]
+
+    def _carried(self) -> list[int]:
+        """Indices of the buckets the next version carries: all of them the first time, then
+        the trainable ones."""
+        return [i for i, b in enumerate(self.buckets) if not b.frozen or not self.frozen_sent]
 
     def _check_aliasing(self) -> None:
         if [t.data_ptr() for _, t in named_weights(self.module)] != self._ptrs:
@@ -192,9 +211,13 @@ class WeightBroadcaster:
             raise ValueError(f"versions must increase and be >= 0: got {version} after {self.version}")
         self._check_aliasing()
         self._broadcast_version(version)
+        carried = self._carried()
         for st in self._send_stages:
-            for b in self.buckets:
-                self._send(st, b.flat)
+            for i in carried:
+                self._send(st, self.buckets[i].flat)
+        self.last_version_bytes = sum(self.buckets[i].flat.numel() * self.buckets[i].flat.element_size()
+                                      for i in carried)
+        self.frozen_sent = True
         self.version = version
 
     def shutdown(self) -> None:
@@ -243,12 +266,16 @@ class WeightBroadcaster:
 
     @torch.no_grad()
     def receive_buckets(self, version: int, into: list[Tensor] | None = None) -> None:
-        """Second half of :meth:`receive`: the bucket contents of ``version``."""
+        """Second half of :meth:`receive`: the bucket contents of ``version`` (the frozen
+        buckets only with the first version: see :attr:`frozen_sent`)."""
         if into is None:
             self._check_aliasing()
         flats = into if into is not None else [b.flat for b in self.buckets]
+        carried = self._carried()
+        self.frozen_sent = True
+        self.last_version_bytes = sum(flats[i].numel() * flats[i].element_size() for i in carried)
         pending = []
-        for flat in flats:
+        for flat in (flats[i] for i in carried):
             self._recv(flat)
             # A node leader forwards this bucket to its host while it receives the next.
             pending += [self._send(st, flat, async_op=True) for st in self._send_stages]
@@ -265,8 +292,12 @@ class WeightBroadcaster:
         self.version = version
 
     def staging_buffers(self) -> list[Tensor]:
-        """A fresh set of flat tensors shaped like the buckets (for double buffering)."""
-        return [torch.empty_like(b.flat) for b in self.buckets]
+        """A fresh set of flat tensors shaped like the buckets (for double buffering). The
+        frozen buckets' tensors are shared by every set: they arrive once, for all."""
+        if not hasattr(self, "_frozen_staging"):
+            self._frozen_staging = {i: torch.empty_like(self.buckets[i].flat) for i in self.frozen_buckets}
+        return [self._frozen_staging.get(i, None) if b.frozen else torch.empty_like(b.flat)
+                for i, b in enumerate(self.buckets)]
 
 
 class WeightSubscriber:

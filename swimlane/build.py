@@ -25,7 +25,7 @@ from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget
 from planes.addresses import AddressError
-from planes.buckets import flat_buckets
+from planes.buckets import flat_buckets, frozen_names
 from planes.config import DataPlaneConfigError
 from planes.keys import load_client_keys
 from planes.control import WeightBroadcaster, backend_for, hierarchical_stages, new_control_group
@@ -182,7 +182,9 @@ class WeightBuffers:
 
 def build_weights(policy, rank: int, world: int, control_group, stages, alloc) -> WeightBuffers:
     """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
-    all laid out in flat buckets (from the persistent pool when memory is managed)."""
+    all laid out in flat buckets (from the persistent pool when memory is managed). The
+    policy's frozen parameters go over the control plane with the first version only."""
+    frozen = frozen_names(policy)
     replicas = [copy.deepcopy(policy).requires_grad_(False) for _ in range(2)]
     if world == 1:
         snapshot = copy.deepcopy(policy).requires_grad_(False)
@@ -191,10 +193,10 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc) -
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, snap_flats, None)
     if rank == 0:
         snapshot = copy.deepcopy(policy).requires_grad_(False)
-        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc)
+        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)
         flats = [bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, [b.flat for b in bc.buckets], bc)
-    bc = WeightBroadcaster(replicas[0], src=0, group=control_group, stages=stages, alloc=alloc)
+    bc = WeightBroadcaster(replicas[0], src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)
     flats = [[b.flat for b in bc.buckets], bc.bind_replica(replicas[1], tag="replica1")]
     return WeightBuffers(DoubleBufferedWeights(replicas, flats), None, None, bc)
 

@@ -275,6 +275,7 @@ class RankLanes:
         m = {"version": self.version, "world_size": self.world_size, "env_steps": steps_global,
              "env_steps_per_s": (steps_global - self.ledger.carried_env_steps) / wall, "learn_s": update.learn_s,
              "dropped_stale": totals["dropped_stale"], "queue_depth": self.source.depth(),
+             "publish_bytes": self.bc.last_version_bytes if self.bc is not None else 0,  # the last version sent
              "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
              **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
                 if k in ("sent", "rejected_invalid", "lost_dead_peer")},

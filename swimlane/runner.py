@@ -195,6 +195,10 @@ class Swimlane(RankLanes):
                 summary["memory"]["transient_host"] = self.host_pool.stats().as_dict()
         if self.bc is not None:
             summary["broadcast_traffic"] = dict(self.bc.traffic)
+        if self.is_rollout:  # the newest weights this rank's inference replicas hold
+            newest = max(range(2), key=lambda i: self.weights.versions[i])
+            summary["replica_version"] = self.weights.versions[newest]
+            summary["replica_digest"] = weights_digest(self.weights.replicas[newest])
         if self.world_size > 1 and self.is_rollout:
             summary["data_route"] = {"learner": self.placement.routes[self.rank],
                                      "transport": self.sink.sender.address.split("://")[0],  # as dialled

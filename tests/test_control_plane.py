@@ -158,7 +158,38 @@ def _hierarchical(rank, world, control):
             "stages": [(s.kind, s.root, s.size) for s in stages], "buckets": len(bc.buckets)}
 
 
-SCENARIOS = {"hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
+def _frozen(rank, world, control):
+    """A frozen first layer over a two-host tree (ranks [0, 1], [2, 3]): version 1 carries
+    everything, version 2 only the trainable weights. The source changes its frozen weights
+    before version 2 to show they are not sent again; a subscriber's two staging sets both
+    get the frozen ones."""
+    stages = hierarchical_stages(leaders=[0, 2], local_groups=[[0, 1], [2, 3]], src=0)
+    model = make_model(rank)
+    frozen = frozenset({"0.weight", "0.bias"})
+    bc = WeightBroadcaster(model, src=0, group=control, bucket_bytes=512, stages=stages, frozen=frozen)
+    sizes = []
+    if rank == 0:
+        first = {k: v.clone() for k, v in model.state_dict().items()}
+        for v in (1, 2, 3):
+            if v > 1:
+                with torch.no_grad():
+                    model[0].weight.add_(7.0)  # "frozen": must not reach anyone
+                    model[2].weight.add_(float(v))
+            bc.publish(v)
+            sizes.append(bc.last_version_bytes)
+        bc.shutdown()
+        model[0].weight.data.copy_(first["0.weight"])  # what the receivers should hold
+        return {"digest": digest(model), "sizes": sizes, "frozen_buckets": len(bc.frozen_buckets)}
+    sub = WeightSubscriber(bc)
+    while not sub.closed:
+        sub.poll()
+        time.sleep(0.001)
+    sub.join(10)
+    sub.poll()
+    return {"digest": digest(model), "version": bc.version}
+
+
+SCENARIOS = {"frozen": _frozen, "hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
              "separate_groups": _separate_groups}
 
 
@@ -246,3 +277,12 @@ def test_single_rank_world_and_safetensors_checkpoint(tmp_path):
             bc.publish(4)
     finally:
         shutdown()
+
+
+def test_frozen_weights_go_out_with_the_first_version_only():
+    res = run_ranks("frozen", 4)
+    whole = sum(t.numel() * 4 for t in make_model(0).state_dict().values() if t.is_floating_point())
+    frozen = (8 * 32 + 32) * 4
+    assert res[0]["frozen_buckets"] >= 1 and res[0]["sizes"] == [whole, whole - frozen, whole - frozen]
+    for r in (1, 2, 3):  # a leaf, a leader and its leaf
+        assert res[r]["version"] == 3 and res[r]["digest"] == res[0]["digest"], r

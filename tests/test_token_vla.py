@@ -105,6 +105,21 @@ def test_action_tokens_cameras_and_lora_travel_under_torchrun(tmp_path):
     assert all(v == 0 for k, v in summary.items() if k.startswith("rejected_") and isinstance(v, int))
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert all(math.isfinite(r["loss"]) for r in rows)
+    # The LM's frozen base weights went over the control plane once, with version 0; every
+    # later version carried the trainable weights (adapters, projector, ...) alone.
+    from planes.buckets import frozen_names, named_weights
+
+    env = make_env(EnvConfig(name="fast_reach", n_envs=4, image_size=16, options={"wrist_camera": 8}))
+    policy = build_policy("token_vla", PolicySpec.for_env(env.spec, 2),
+                          {"n_bins": 21, "vision": {"image_size": 16}, "lora_rank": 4})
+    frozen = frozen_names(policy)
+    trainable = sum(t.numel() * t.element_size() for n, t in named_weights(policy) if n not in frozen)
+    everything = sum(t.numel() * t.element_size() for _, t in named_weights(policy))
+    assert frozen and trainable < everything / 2
+    assert [r["publish_bytes"] for r in rows] == [everything, trainable, trainable]  # versions 0, 1, 2
+    assert summary["broadcast_traffic"]["flat_sent_bytes"] == everything + 3 * trainable  # and version 3
+    rollout = json.loads((out / "summary_rank1.json").read_text())
+    assert rollout["replica_version"] == 3 and rollout["replica_digest"] == summary["weights_digest"]
 
 
 def test_an_action_token_outside_the_vocabulary_is_rejected():

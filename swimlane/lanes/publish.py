@@ -106,6 +106,7 @@ class ReceiveLane:
         self.bc, self.weights, self.tracer, self.shutdown_marker = broadcaster, weights, tracer, shutdown_marker
         self.order, self.stop = order, stop or threading.Event()
         self.last = -1  # newest version received
+        self.with_frozen: set[int] = set()  # replicas that hold the frozen buckets
 
     def step(self) -> bool:
         """Receive one version (blocks until the learner publishes); False at shutdown (or
@@ -119,7 +120,15 @@ class ReceiveLane:
         # ready but not yet picked up by the inference lane stays available to it.
         idx = self.weights.begin_write()
         with self.tracer.span("broadcast", "receive"):
+            carries_frozen = not self.bc.frozen_sent  # only the first version carries them
             self.bc.receive_buckets(version, into=self.weights.flats[idx])
+            if not carries_frozen and idx not in self.with_frozen:
+                # This replica never got the frozen weights: take them from the other one
+                # (the active replica, read here, never written while it is active).
+                mine, other = self.weights.flats[idx], self.weights.flats[1 - idx]
+                for i in self.bc.frozen_buckets:
+                    mine[i].copy_(other[i])
+            self.with_frozen.add(idx)
         self.weights.commit(idx, version)
         self.last = version
         if self.order is not None:
