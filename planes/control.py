@@ -210,11 +210,16 @@ class WeightBroadcaster:
         if version < 0 or version <= self.version:
             raise ValueError(f"versions must increase and be >= 0: got {version} after {self.version}")
         self._check_aliasing()
-        self._broadcast_version(version)
         carried = self._carried()
-        for st in self._send_stages:
-            for i in carried:
-                self._send(st, self.buckets[i].flat)
+        # The version header and every bucket are posted at once and then waited for: the
+        # backend streams them back to back instead of a hand-over to its worker thread and
+        # a wait between one collective and the next.
+        self._version_buf.fill_(version)
+        works = [dist.broadcast(self._version_buf, src=st.root, group=st.group, async_op=True)
+                 for st in self._send_stages]
+        works += [self._send(st, self.buckets[i].flat, async_op=True) for st in self._send_stages for i in carried]
+        for work in works:
+            work.wait()
         self.last_version_bytes = sum(self.buckets[i].flat.numel() * self.buckets[i].flat.element_size()
                                       for i in carried)
         self.frozen_sent = True
@@ -235,11 +240,12 @@ class WeightBroadcaster:
         self.traffic[f"{st.kind}_sent"] += 1
         return work
 
-    def _recv(self, flat: Tensor) -> None:
+    def _recv(self, flat: Tensor, async_op: bool = False):
         st = self._recv_stage
-        dist.broadcast(flat, src=st.root, group=st.group)
+        work = dist.broadcast(flat, src=st.root, group=st.group, async_op=async_op)
         self.traffic[f"{st.kind}_received_bytes"] += flat.numel() * flat.element_size()
         self.traffic[f"{st.kind}_received"] += 1
+        return work
 
     # -- receivers ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -276,6 +282,9 @@ class WeightBroadcaster:
         self.last_version_bytes = sum(flats[i].numel() * flats[i].element_size() for i in carried)
         pending = []
         for flat in (flats[i] for i in carried):
+            if not self._send_stages:  # a leaf: post every receive at once, then wait
+                pending.append(self._recv(flat, async_op=True))
+                continue
             self._recv(flat)
             # A node leader forwards this bucket to its host while it receives the next.
             pending += [self._send(st, flat, async_op=True) for st in self._send_stages]
