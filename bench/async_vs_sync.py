@@ -58,9 +58,10 @@ def stage_times(spans) -> dict[str, float]:
 
 
 def run(mode: str, args, out: Path) -> tuple[float, list]:
+    cost = [f"env.options.render_cost_ms={args.render_cost_ms}"] if args.env == "fast_reach" else []
     cfg = apply_overrides(fast_reach(), [
-        f"swimlane.mode={mode}", f"run.iterations={args.iterations}", f"env.n_envs={args.envs}",
-        f"env.image_size={args.image}", "env.episode_len=12", f"env.options.render_cost_ms={args.render_cost_ms}",
+        f"env.name={args.env}", f"swimlane.mode={mode}", f"run.iterations={args.iterations}", f"env.n_envs={args.envs}",
+        f"env.image_size={args.image}", "env.episode_len=12", *cost,
         f"swimlane.env_groups={args.groups}", f"swimlane.chunks_per_update={args.groups}",
         "swimlane.max_staleness=1",
         f"run.torch_threads={args.threads}", "run.progress=false", f"run.out_dir={out}", *BENCH_CONFIG, *args.set,
@@ -89,6 +90,9 @@ def calibrate(args, out: Path) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--env", default="fast_reach", choices=["fast_reach", "genesis_reach"],
+                    help="genesis_reach: the real simulator (its GPU backend with --set run.device=cuda); "
+                         "no render cost is added or calibrated")
     ap.add_argument("--iterations", type=int, default=24)
     ap.add_argument("--envs", type=int, default=32)
     ap.add_argument("--image", type=int, default=32)
@@ -109,6 +113,8 @@ def main() -> None:
     ratios, effs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         run("async", argparse.Namespace(**{**vars(args), "iterations": 3, "render_cost_ms": 0.0}), Path(tmp) / "warm")
+        if args.env != "fast_reach":
+            args.render_cost_ms = 0.0
         if args.render_cost_ms is None:
             args.render_cost_ms = calibrate(args, Path(tmp) / "calibrate")
         for i in range(args.repeats):

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The first thing to run on a machine with a GPU: dvla's GPU paths and figures in one go.
+#
+#   bench/gpu_suite.sh [--out FILE]        on the GPU machine (budget: about 8 minutes on one GPU)
+#   bench/gpu_suite.sh --cpu-smoke         the same steps, tiny, on the CPU (CI runs this)
+#
+# Every step prints its figures as ratios against a baseline measured in the same run. A step
+# that fails or runs out of time is reported and the suite goes on; the exit status is the
+# number of failed steps. Everything printed also goes to FILE (default runs/gpu_suite.txt)
+# for bench/RESULTS.md.
+#
+# Steps:
+#   gpu-tests  the tests that skip without CUDA (CUDA memory pools; NCCL needs 2 GPUs)
+#   broadcast  control-plane broadcast vs one raw broadcast (NCCL with >= 2 GPUs, else gloo)
+#   memory     CUDA memory pools vs the caching allocator under churn (peak reserved, fragmentation)
+#   learner    token_vla learner updates, bf16 autocast vs fp32 (tokens/s, MFU)
+#   swimlane   async vs sync on genesis_reach with its GPU backend (fast_reach in the smoke)
+#   dataplane  the ZeroMQ data plane vs raw sockets
+# Not yet here (issue #19): FSDP2-sharded learners, inference/learning on separate CUDA streams.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+SMOKE=0
+OUT=runs/gpu_suite.txt
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu-smoke) SMOKE=1 ;;
+    --out) OUT="$2"; shift ;;
+    *) echo "gpu_suite.sh: unknown argument $1 (use --cpu-smoke, --out FILE)" >&2; exit 2 ;;
+  esac
+  shift
+done
+mkdir -p "$(dirname "$OUT")"
+: > "$OUT"
+PY=${PYTHON:-python}
+FAILED=0
+
+step() {  # step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*" | tee -a "$OUT"
+  local t0=$SECONDS
+  timeout --signal=INT --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$OUT"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT"
+  [ "$rc" -eq 0 ] || FAILED=$((FAILED + 1))
+}
+
+{
+  echo "dvla gpu_suite $(date -u +%Y-%m-%dT%H:%MZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo ?) smoke=$SMOKE"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'GPU(s)', torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
+  nproc | sed 's/^/cpu cores /'
+} 2>&1 | tee -a "$OUT"
+
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+
+if [ "$SMOKE" -eq 1 ]; then
+  step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py -k "cuda or nccl"
+  step broadcast 120 "$PY" bench/weight_broadcast.py --world 2 --mb 4 --layers 8 --repeats 1
+  step memory 120 "$PY" bench/memory_churn.py --iters 20
+  step learner 120 "$PY" bench/learner_step.py --size tiny --device cpu --samples 16 --updates 1 --image 32
+  step swimlane 240 "$PY" bench/async_vs_sync.py --iterations 2 --envs 8 --image 16 --repeats 1 \
+    --render-cost-ms 1 --gantt runs/gpu_suite_gantt.png
+  step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
+else
+  step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py -k "cuda or nccl"
+  if [ "$GPUS" -ge 2 ]; then
+    step broadcast 90 "$PY" bench/weight_broadcast.py --world 2 --mb 1000 --layers 200 --repeats 5
+  else
+    echo "== broadcast: NCCL needs two GPUs (this machine has $GPUS); gloo on the CPU instead" | tee -a "$OUT"
+    step broadcast 90 env CUDA_VISIBLE_DEVICES= "$PY" bench/weight_broadcast.py --world 2 --mb 200 --repeats 5
+  fi
+  step memory 60 "$PY" bench/memory_churn.py --iters 300
+  step learner 120 "$PY" bench/learner_step.py --size 0.5b --device cuda --samples 64 --micro-batch 16 --updates 3
+  step swimlane 150 "$PY" bench/async_vs_sync.py --env genesis_reach --iterations 6 --envs 64 --image 64 \
+    --repeats 1 --threads 4 --gantt runs/gpu_suite_gantt.png --set run.device=cuda
+  step dataplane 60 "$PY" bench/data_plane.py --messages 200 --blocks 5
+fi
+echo "== gpu_suite: $FAILED step(s) failed; output in $OUT" | tee -a "$OUT"
+exit "$FAILED"
