@@ -49,7 +49,7 @@ def make_batch(policy, samples: int, image: int, device: torch.device) -> Rollou
     with torch.no_grad():
         out = policy.act(prepared, generator=torch.Generator(device=device).manual_seed(1)
                          if device.type == "cuda" else torch.Generator().manual_seed(1))
-    k, d = policy.spec.action_chunk, policy.spec.action_dim
+    k = policy.spec.action_chunk
     ones = torch.ones(1, samples, dtype=torch.bool)
     return RolloutBatch(
         image=obs.image.unsqueeze(0), proprio=obs.proprio.unsqueeze(0), instruction_ids=prepared.instruction_ids.cpu(),

@@ -15,6 +15,7 @@ from launch.planner import (
     parse_count,
     parse_nodes,
     plan,
+    rank_memory,
 )
 
 # -- text ----------------------------------------------------------------------------------------------------
@@ -98,6 +99,31 @@ def format_table(reports: list[PlanReport]) -> str:
     return "\n".join(lines)
 
 
+def format_memory(reports: list[PlanReport], trainable: float, kl: bool, publish_bytes: float) -> str:
+    """Model memory per rank: the replicated fp32 learner dvla runs today against learners
+    sharded over all learner ranks (FSDP, planned), and a rollout rank's replicas."""
+    rows = []
+    for r in reports:
+        p, colocated = r.params, r.colocate and r.rollout == r.ranks
+        today = rank_memory(p, rolls_out=colocated, trainable=trainable, kl=kl)
+        sharded = rank_memory(p, learners=r.learners, sharded=True, rolls_out=colocated, trainable=trainable, kl=kl,
+                              publish_bytes=publish_bytes)
+        rollout = rank_memory(p, learns=False, rolls_out=True, publish_bytes=publish_bytes)
+        rows.append([str(r.nodes), str(r.learners), _fmt_bytes(today.total), _fmt_bytes(sharded.total),
+                     _fmt_bytes(rank_memory(p, learns=False, rolls_out=True).total), _fmt_bytes(rollout.total),
+                     _fmt_bytes(4 * trainable * p), _fmt_bytes(publish_bytes * trainable * p)])
+    lines = [f"memory per rank (model only: weights, gradients, Adam, snapshot, replicas{', reference' if kl else ''}; "
+             f"trainable share {trainable:g})", ""]
+    lines += _table(["nodes", "learners", "learner today", "learner fsdp", "rollout today", f"rollout {publish_bytes:g} B",
+                     "version today", f"version {publish_bytes:g} B"], rows)
+    lines += ["", "today: every learner a full fp32 replica (weights, gradients, two Adam moments), the source's",
+              "fp32 snapshot, two fp32 inference replicas where it also rolls out; fsdp (planned, #19): weights,",
+              "gradients and moments split over the learners, published from the shards one bucket at a time,",
+              f"replicas in {publish_bytes:g} B per parameter. version: bytes per weights version after the first",
+              "(frozen parameters are sent with the first version only). Activations are not counted."]
+    return "\n".join(lines)
+
+
 def format_assumptions(r: PlanReport, net_gbps: float, local_gbps: float, latency_us: float,
                        samples_per_node_s: float, batch_per_node: float, update_s: float) -> str:
     return (f"assumed: net {net_gbps:g} Gbit/s per node, local {local_gbps:g} Gbit/s per GPU, alpha "
@@ -127,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-per-node", type=float, default=1000.0,
                    help="samples each node contributes per learner update (default 1000)")
     p.add_argument("--update-s", type=float, default=1.0, help="learner time per update (default 1 s)")
+    p.add_argument("--trainable", type=float, default=1.0,
+                   help="share of the parameters that train (e.g. 0.01 for LoRA; default 1)")
+    p.add_argument("--kl", action="store_true", help="GRPO with a KL term: learners hold a reference policy")
     p.add_argument("--show-placement", action="store_true",
                    help=f"print the placement table (clusters of at most {SHOW_PLACEMENT_MAX_RANKS} ranks)")
     return p
@@ -144,7 +173,11 @@ def main(argv: list[str] | None = None) -> int:
                         batch_per_node=args.batch_per_node, update_s=args.update_s) for n in nodes]
     except ValueError as exc:
         parser.error(str(exc))
+    if not 0 < args.trainable <= 1:
+        parser.error(f"--trainable {args.trainable}: a share in (0, 1]")
     print(format_table(reports))
+    print()
+    print(format_memory(reports, args.trainable, args.kl, args.dtype_bytes))
     print()
     print(format_assumptions(reports[0], args.net_gbps, args.local_gbps, args.latency_us,
                              args.samples_per_node_s, args.batch_per_node, args.update_s))

@@ -244,6 +244,48 @@ def _throughput(nodes: int, batch_per_node: float, interval: float, broadcast_s:
     return nodes * batch_per_node / max(interval, broadcast_s)
 
 
+@dataclass
+class RankMemory:
+    """Bytes one rank holds for the model (activations and the gathered layer of a sharded
+    forward pass are not counted)."""
+
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    snapshot: float = 0.0    # the copy being published (the source rank)
+    replicas: float = 0.0    # two inference replicas, on ranks that roll out
+    reference: float = 0.0   # GRPO's reference policy (kl_coef > 0)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.snapshot + self.replicas + self.reference
+
+
+def rank_memory(params: float, *, learners: int = 1, learns: bool = True, rolls_out: bool = False,
+                sharded: bool = False, trainable: float = 1.0, kl: bool = False, source: bool = True,
+                master_bytes: float = 4, publish_bytes: float = 4,
+                bucket_bytes: float = BUCKET_BYTES) -> RankMemory:
+    """Model memory of one rank. Replicated learner (dvla today): fp32 weights, fp32 gradients
+    and Adam moments of the ``trainable`` share, a snapshot on the source rank, two inference
+    replicas when it also rolls out, a reference with ``kl``. Sharded (FSDP over
+    ``learners``): weights, gradients, moments and reference divided by ``learners``; the
+    source publishes from the shards bucket by bucket (one bucket, no full snapshot).
+    Replicas and snapshots are in ``publish_bytes`` per parameter."""
+    m = RankMemory()
+    if learns:
+        div = learners if sharded else 1
+        m.weights = master_bytes * params / div
+        m.grads = master_bytes * trainable * params / div
+        m.optimizer = 2 * master_bytes * trainable * params / div
+        if source:
+            m.snapshot = min(bucket_bytes, publish_bytes * params) if sharded else publish_bytes * params
+        if kl:
+            m.reference = publish_bytes * params / div
+    if rolls_out:
+        m.replicas = 2 * publish_bytes * params
+    return m
+
+
 def plan(nodes: int, gpus_per_node: int, params: float, bytes_per_param: float = 2,
          learner_fraction: float = 0.25, net_gbps: float = 400, local_gbps: float = 2400,
          latency_us: float = 10, *, colocate: bool = False, bucket_bytes: float = BUCKET_BYTES,

@@ -176,3 +176,36 @@ def test_main_show_placement_and_errors(capsys):
         with pytest.raises(SystemExit) as exc:
             main(bad)
         assert exc.value.code == 2
+
+
+def test_memory_per_rank_today_and_sharded():
+    """7B parameters: a replicated fp32 learner holds weights, gradients and two Adam moments
+    (16 B/param) and, as the source, an fp32 snapshot (4 B/param); colocated, also two fp32
+    replicas. Sharded over 8 learners the 16 B/param split 8 ways and the snapshot is one
+    bucket; LoRA-like training (1% trainable) leaves little besides the weights."""
+    from launch.planner import BUCKET_BYTES, rank_memory
+
+    p = 7e9
+    assert rank_memory(p).total == 20 * p
+    assert rank_memory(p, rolls_out=True).total == 28 * p
+    assert rank_memory(p, kl=True).total == 24 * p
+    sharded = rank_memory(p, learners=8, sharded=True, publish_bytes=2)
+    assert sharded.weights == 4 * p / 8 and sharded.optimizer == 8 * p / 8 and sharded.snapshot == BUCKET_BYTES
+    assert sharded.total == 16 * p / 8 + BUCKET_BYTES
+    assert rank_memory(p, learners=8, sharded=True, source=False).total * 8 == rank_memory(p, source=False).total
+    assert rank_memory(p, learns=False, rolls_out=True, publish_bytes=2).total == 4 * p
+    lora = rank_memory(p, trainable=0.01, source=False)
+    assert lora.total == (4 + 12 * 0.01) * p
+
+
+def test_main_prints_memory_per_rank(capsys):
+    assert main(["--nodes", "1,8", "--params", "7B", "--trainable", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and "learner fsdp" in out
+    row = next(line.split() for line in out.splitlines() if line.split()[:2] == ["8", "16"])
+    # 16 learners, half the parameters train: today 4 + 6 + 4 (snapshot) = 14 B/param = 98 GB;
+    # sharded (4 + 6) / 16 B/param + one 32 MiB bucket = 4.41 GB; rollout 8 / 4 B/param.
+    assert row[2:4] == ["98", "GB"] and row[4:6] == ["4.41", "GB"] and row[6:10] == ["56", "GB", "28", "GB"]
+    with pytest.raises(SystemExit):
+        main(["--params", "7B", "--trainable", "0"])
+    assert "--trainable 0.0: a share in (0, 1]" in capsys.readouterr().err
