@@ -174,17 +174,22 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
 
 @dataclass
 class WeightBuffers:
-    weights: DoubleBufferedWeights  # the inference lane's two replicas
+    weights: DoubleBufferedWeights | None  # the inference lane's two replicas (None: the rank does not roll out)
     snapshot: Any  # rank 0: the copy the publish lane sends from (None elsewhere)
     snap_flats: list[torch.Tensor] | None
     bc: WeightBroadcaster | None  # the control plane (None in one process)
 
 
-def build_weights(policy, rank: int, world: int, control_group, stages, alloc) -> WeightBuffers:
+def build_weights(policy, rank: int, world: int, control_group, stages, alloc, rollout: bool = True) -> WeightBuffers:
     """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
     all laid out in flat buckets (from the persistent pool when memory is managed). The
-    policy's frozen parameters go over the control plane with the first version only."""
+    policy's frozen parameters go over the control plane with the first version only. A
+    source rank that does not roll out (``rollout`` false) holds no replicas."""
     frozen = frozen_names(policy)
+    if world > 1 and rank == 0 and not rollout:
+        snapshot = copy.deepcopy(policy).requires_grad_(False)
+        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)
+        return WeightBuffers(None, snapshot, [b.flat for b in bc.buckets], bc)
     replicas = [copy.deepcopy(policy).requires_grad_(False) for _ in range(2)]
     if world == 1:
         snapshot = copy.deepcopy(policy).requires_grad_(False)

@@ -122,7 +122,7 @@ class RankLanes:
             self._start_learner(resume=cfg.run.resume or self.restarts > 0)
 
         buffers = build_weights(self.policy, rank, world_size, self.groups.control, self.groups.stages,
-                                persistent_alloc(self.memory))
+                                persistent_alloc(self.memory), rollout=self.is_rollout)
         self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
                                                                  buffers.snap_flats, buffers.bc)
         if self.memory is not None:

@@ -181,7 +181,7 @@ class Swimlane(RankLanes):
         summary: dict[str, Any] = {
             "mode": self.sl.mode, "rank": self.rank, "iterations": self.iterations, "version": self.version,
             "wall_s": wall, **self.counters,
-            "weight_swaps": self.weights.swaps,
+            "weight_swaps": self.weights.swaps if self.weights is not None else 0,
             "lane_utilization": {k: round(v["utilization"], 4) for k, v in util.items()},
             "stopped_early": self.version < self.iterations, "time_limit_reached": self.time_up, "error": error,
             "lanes_left_running": self.lanes_left_running,

@@ -103,3 +103,34 @@ def test_bf16_autocast_learns_fast_reach(tmp_path):
     assert all(p.dtype == torch.float32 and bool(torch.isfinite(p).all()) for p in lanes.policy.parameters())
     success = [r["success_rate"] for r in rows]
     assert sum(success[-5:]) / 5 > sum(success[:5]) / 5 + 0.3, success
+
+
+def test_a_learner_that_does_not_roll_out_holds_no_inference_replicas(tmp_path):
+    """torchrun, a learner-only rank 0 and a rollout rank 1, memory in the persistent pool:
+    rank 0 holds the weights, two Adam moments and the snapshot it publishes from (4 model
+    copies, was 6), rank 1 its two inference replicas."""
+    import os
+    import subprocess
+    import sys
+
+    from planes.buckets import named_weights
+
+    out = tmp_path / "lean"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dvla.launch",
+           "--preset", "debug", "run.iterations=2", "swimlane.colocate=false", "run.torch_threads=1",
+           f"run.out_dir={out.parent}", f"run.name={out.name}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:6000]
+    cfg = debug()
+    env = make_env(cfg.env, "cpu")
+    model = sum(t.numel() * t.element_size()
+                for _, t in named_weights(build_policy("tiny_vla", PolicySpec.for_env(env.spec), cfg.policy.options)))
+    learner = json.loads((out / "summary.json").read_text())
+    rollout = json.loads((out / "summary_rank1.json").read_text())
+    assert (learner["role"], rollout["role"]) == ("learner", "rollout")
+    tags = {k.split("/")[0] for k in learner["memory"]["persistent_tensors"]}
+    assert tags == {"policy", "optimizer", "broadcast"}  # no replica0 / replica1
+    assert learner["memory"]["persistent"]["reserved_bytes"] == 4 * model
+    assert rollout["memory"]["persistent"]["reserved_bytes"] == 2 * model
+    assert learner["version"] == 2 and rollout["replica_version"] == 2
