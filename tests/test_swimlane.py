@@ -279,10 +279,10 @@ def test_proximal_loglinear_interpolates_by_version_lag_without_a_forward_pass(t
     monkeypatch.setattr(algo, "proximal_log_probs", lambda *a, **k: pytest.fail("proximal forward pass"))
     calls, real_loss = [], base.clipped_policy_loss
 
-    def loss_spy(new, prox, adv, clip, behav_log_probs=None, max_is_weight=None, mask=None):
+    def loss_spy(new, prox, adv, clip, behav_log_probs=None, max_is_weight=None, mask=None, total=None):
         calls.append((new.detach().clone(), prox.clone(), behav_log_probs.clone(), max_is_weight))
         return real_loss(new, prox, adv, clip, behav_log_probs=behav_log_probs, max_is_weight=max_is_weight,
-                         mask=mask)
+                         mask=mask, total=total)
 
     monkeypatch.setattr(base, "clipped_policy_loss", loss_spy)
     stats = algo.update(batch, torch.Generator().manual_seed(0), learner_version=2)
