@@ -150,7 +150,8 @@ class AlgoConfig:
     activation memory). 0: the whole minibatch in one pass."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: the learner's forward passes and losses run under ``torch.autocast`` in
-    bfloat16; weights, gradients and optimizer state stay fp32."""
+    bfloat16; weights, gradients and optimizer state stay fp32. Rollouts still sample in
+    fp32, so at unchanged weights the importance ratio carries bf16 rounding (not exactly 1)."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []

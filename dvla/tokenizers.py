@@ -58,7 +58,24 @@ def _pad(rows: list[list[int]], max_len: int, pad_id: int) -> tuple[Tensor, Tens
     return ids, mask
 
 
-class HashTokenizer:
+class PaddedTokenizer:
+    """What every tokenizer here shares: ``encode(text)`` (ids of one text, implemented by
+    the subclass) padded into batches of ``max_len`` with ``pad_id``."""
+
+    pad_id: int
+    max_len: int
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        return _pad([self.encode(t) for t in texts], self.max_len, self.pad_id)
+
+    def __call__(self, texts: list[str]) -> Tensor:
+        return self.encode_batch(texts)[0]
+
+
+class HashTokenizer(PaddedTokenizer):
     """Deterministic word-level tokenizer needing no vocabulary file or download.
 
     Lower-cased words map to ``1 + crc32(word) % (vocab_size - 1)``; 0 is padding.
@@ -82,14 +99,8 @@ class HashTokenizer:
             self._cache[text] = ids
         return ids
 
-    def encode_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        return _pad([self.encode(t) for t in texts], self.max_len, self.pad_id)
 
-    def __call__(self, texts: list[str]) -> Tensor:
-        return self.encode_batch(texts)[0]
-
-
-class HFTokenizer:
+class HFTokenizer(PaddedTokenizer):
     """A Hugging Face tokenizer as a :class:`Tokenizer`: a ``tokenizers.Tokenizer`` (e.g.
     ``Tokenizer.from_file("tokenizer.json")``) or a ``transformers`` tokenizer (e.g.
     ``AutoTokenizer.from_pretrained(local_dir)``). ``pad_id`` defaults to the tokenizer's
@@ -125,12 +136,6 @@ class HFTokenizer:
                 ids = self.tok(text, add_special_tokens=self.special)["input_ids"]
             self._cache[text] = ids
         return ids
-
-    def encode_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        return _pad([self.encode(t) for t in texts], self.max_len, self.pad_id)
-
-    def __call__(self, texts: list[str]) -> Tensor:
-        return self.encode_batch(texts)[0]
 
 
 @functools.lru_cache(maxsize=4)

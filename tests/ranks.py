@@ -5,7 +5,11 @@ joins a process group on ``tcp://127.0.0.1:port`` itself, and puts ``(rank, resu
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 CTX = mp.get_context("spawn")
 
@@ -132,4 +136,19 @@ def torchrun_workers(agent_pid: int) -> dict[int, int]:
         ranks = [int(e[5:]) for e in env if e.startswith(b"RANK=")]
         if ppid == agent_pid and ranks:
             out[ranks[0]] = int(child.name)
+    return out
+
+
+def torchrun_job(tmp_path: Path, name: str, overrides: list[str], nproc: int = 2, preset: str = "debug",
+                 timeout: float = 180) -> Path:
+    """``torchrun --standalone -m dvla.launch --preset PRESET OVERRIDES`` with ``nproc``
+    processes, the run in ``tmp_path / name``; fails with the output unless it exits 0.
+    Returns the run directory."""
+    out = tmp_path / name
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "dvla.launch", "--preset", preset, "run.torch_threads=1", *overrides,
+           f"run.out_dir={out.parent}", f"run.name={out.name}"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
     return out

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from ranks import torchrun_job
+
 
 from dvla.config import apply_overrides
 from dvla.envs import make_env
@@ -116,14 +115,8 @@ def test_the_flow_head_learns_fast_reach(tmp_path):
 def test_chains_travel_over_the_data_plane(tmp_path):
     """torchrun, two processes: rank 1 samples with the flow head and sends chunks (with
     their chains) over ZeroMQ to rank 0, which checks and learns from them."""
-    out = tmp_path / "flow"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "dvla.launch", "--preset", "debug", "run.iterations=4", "policy.options.head=flow",
-           "policy.action_chunk=2", "swimlane.colocate=false", "run.torch_threads=1",
-           f"run.out_dir={out.parent}", f"run.name={out.name}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
+    out = torchrun_job(tmp_path, "flow", ["run.iterations=4", "policy.options.head=flow", "policy.action_chunk=2",
+                                          "swimlane.colocate=false"])
     summary = json.loads((out / "summary.json").read_text())
     assert summary["version"] == 4 and summary["chunks_consumed"] >= 4
     assert all(v == 0 for k, v in summary.items() if k.startswith("rejected_") and isinstance(v, int))

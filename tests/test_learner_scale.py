@@ -9,7 +9,7 @@ import traceback
 
 import pytest
 import torch
-from ranks import spawn_ranks
+from ranks import spawn_ranks, torchrun_job
 
 from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig, apply_overrides
@@ -109,19 +109,9 @@ def test_a_learner_that_does_not_roll_out_holds_no_inference_replicas(tmp_path):
     """torchrun, a learner-only rank 0 and a rollout rank 1, memory in the persistent pool:
     rank 0 holds the weights, two Adam moments and the snapshot it publishes from (4 model
     copies, was 6), rank 1 its two inference replicas."""
-    import os
-    import subprocess
-    import sys
-
     from planes.buckets import named_weights
 
-    out = tmp_path / "lean"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dvla.launch",
-           "--preset", "debug", "run.iterations=2", "swimlane.colocate=false", "run.torch_threads=1",
-           f"run.out_dir={out.parent}", f"run.name={out.name}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:6000]
+    out = torchrun_job(tmp_path, "lean", ["run.iterations=2", "swimlane.colocate=false"])
     cfg = debug()
     env = make_env(cfg.env, "cpu")
     model = sum(t.numel() * t.element_size()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from ranks import torchrun_job
+
 
 from dvla.config import EnvConfig, apply_overrides
 from dvla.envs import make_env
@@ -91,15 +90,9 @@ def test_action_tokens_cameras_and_lora_travel_under_torchrun(tmp_path):
     """Two processes: rank 1 decodes action tokens over its KV cache and sends them with each
     chunk (and the images of two cameras, 16 and 8 px) over ZeroMQ; rank 0 checks them
     against the vocabulary and the cameras' sizes and learns (LoRA)."""
-    out = tmp_path / "tok"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "dvla.launch", "--preset", "debug", "run.iterations=3", *TINY, "policy.options.lora_rank=4",
-           "env.options.wrist_camera=8",
-           "policy.action_chunk=2", "swimlane.colocate=false", "run.torch_threads=1",
-           f"run.out_dir={out.parent}", f"run.name={out.name}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
+    out = torchrun_job(tmp_path, "tok", ["run.iterations=3", *TINY, "policy.options.lora_rank=4",
+                                         "env.options.wrist_camera=8", "policy.action_chunk=2",
+                                         "swimlane.colocate=false"], timeout=240)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["version"] == 3 and summary["chunks_consumed"] >= 3
     assert all(v == 0 for k, v in summary.items() if k.startswith("rejected_") and isinstance(v, int))
