@@ -60,7 +60,7 @@ if [ "$SMOKE" -eq 1 ]; then
   step memory 120 "$PY" bench/memory_churn.py --iters 20
   step learner 120 "$PY" bench/learner_step.py --size tiny --device cpu --samples 16 --updates 1 --image 32
   step swimlane 240 "$PY" bench/async_vs_sync.py --iterations 2 --envs 8 --image 16 --repeats 1 \
-    --render-cost-ms 1 --gantt runs/gpu_suite_gantt.png
+    --render-cost-ms 1 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png"
   step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
 else
   step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py -k "cuda or nccl"
@@ -73,7 +73,7 @@ else
   step memory 60 "$PY" bench/memory_churn.py --iters 300
   step learner 120 "$PY" bench/learner_step.py --size 0.5b --device cuda --samples 64 --micro-batch 16 --updates 3
   step swimlane 150 "$PY" bench/async_vs_sync.py --env genesis_reach --iterations 6 --envs 64 --image 64 \
-    --repeats 1 --threads 4 --gantt runs/gpu_suite_gantt.png --set run.device=cuda
+    --repeats 1 --threads 4 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png" --set run.device=cuda
   step dataplane 60 "$PY" bench/data_plane.py --messages 200 --blocks 5
 fi
 echo "== gpu_suite: $FAILED step(s) failed; output in $OUT" | tee -a "$OUT"

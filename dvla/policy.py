@@ -185,7 +185,7 @@ class VLAPolicy(nn.Module, ABC):
             obs = dataclasses.replace(obs, instruction_ids=ids, instruction_mask=mask)
         elif obs.instruction_mask is None:
             obs = dataclasses.replace(obs, instruction_mask=obs.instruction_ids != getattr(self.tokenizer, "pad_id", 0))
-        if obs.cameras.keys() != set(self.cameras_used):
+        if list(obs.cameras) != list(self.cameras_used):  # only those it reads, in its order
             missing = [c for c in self.cameras_used if c not in obs.cameras]
             if missing:
                 raise ValueError(f"{type(self).__qualname__} reads cameras {missing}, which the observation lacks "

@@ -68,3 +68,16 @@ def test_a_policy_asking_for_a_camera_the_env_lacks_is_a_config_error(tmp_path):
                                     "env.options.wrist_camera=8", f"run.out_dir={tmp_path}"])
     with pytest.raises(ConfigError, match=r"reads cameras \['left'\]; the env has \['wrist'\]"):
         Swimlane(cfg)
+
+
+def test_prepare_keeps_the_cameras_a_policy_reads_in_its_order():
+    env = make_env(WRIST)
+    policy = build_policy("tiny_vla", PolicySpec.for_env(env.spec), {"hidden_dim": 8, "vision_channels": 4,
+                                                                      "embed_dim": 4})
+    obs = env.reset(1)
+    obs.cameras = {"top": obs.cameras["wrist"][:, :, :4, :4], **obs.cameras}
+    policy.cameras_used = ("wrist", "top")
+    assert list(policy.prepare(obs).cameras) == ["wrist", "top"]
+    policy.cameras_used = ("left",)
+    with pytest.raises(ValueError, match=r"reads cameras \['left'\], which the observation lacks"):
+        policy.prepare(obs)
