@@ -19,7 +19,7 @@ from dvla.algos import build_algorithm
 from dvla.config import ConfigError, JobConfig, SwimlaneConfig
 from dvla.distributed import allreduce_mean_grads
 from dvla.envs import env_spec, make_env
-from dvla.policy import PolicySpec, build_policy
+from dvla.policy import ExtraSpec, PolicySpec, build_policy
 from dvla.rollout import cameras_of
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
@@ -29,6 +29,7 @@ from planes.buckets import flat_buckets, frozen_names
 from planes.config import DataPlaneConfigError
 from planes.keys import load_client_keys
 from planes.control import WeightBroadcaster, backend_for, hierarchical_stages, new_control_group
+from planes.serial import DTYPES as SERIAL_DTYPES
 from planes.data import (
     DataPlaneConfig,
     TrajectoryReceiver,
@@ -138,6 +139,24 @@ class Model:
     learn_gen: torch.Generator | None  # minibatches (learners)
 
 
+def check_policy_io(policy, name: str) -> None:
+    """What the policy reads and records must be able to travel: cameras the env has, and
+    rollout extras the data plane can carry (a ConfigError naming the problem otherwise)."""
+    try:
+        cameras_of(policy)
+    except ValueError as exc:  # the policy reads a camera the env does not have
+        raise ConfigError(f"policy.name={name}: {exc}") from None
+    for key, spec in policy.rollout_extras().items():
+        where = f"policy.name={name}: rollout_extras()[{key!r}]"
+        if not isinstance(spec, ExtraSpec):
+            raise ConfigError(f"{where}: expected an ExtraSpec(shape, dtype, high), got {spec!r}")
+        if spec.dtype not in SERIAL_DTYPES.values():
+            raise ConfigError(f"{where}: dtype {spec.dtype} cannot travel on the data plane "
+                              f"(allowed: {', '.join(SERIAL_DTYPES)})")
+        if not all(isinstance(n, int) and n > 0 for n in spec.shape):
+            raise ConfigError(f"{where}: shape {spec.shape} must be positive integers")
+
+
 def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Placement, groups: Groups,
                 memory: MemoryManager | None) -> Model:
     """Env groups, policy and (on learners) the algorithm, seeded so that every driver and
@@ -153,10 +172,7 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
         spec_ = env_spec(cfg.env, device, seed=seed + 7919 * rank)
     spec = PolicySpec.for_env(spec_, cfg.policy.action_chunk)
     policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
-    try:
-        cameras_of(policy)
-    except ValueError as exc:  # the policy reads a camera the env does not have
-        raise ConfigError(f"policy.name={cfg.policy.name}: {exc}") from None
+    check_policy_io(policy, cfg.policy.name)
     if rollout:
         envs += [make_env(cfg.env, device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, sl.env_groups)]
     algo = learn_gen = None

@@ -81,3 +81,21 @@ def test_prepare_keeps_the_cameras_a_policy_reads_in_its_order():
     policy.cameras_used = ("left",)
     with pytest.raises(ValueError, match=r"reads cameras \['left'\], which the observation lacks"):
         policy.prepare(obs)
+
+
+def test_rollout_extras_the_data_plane_cannot_carry_are_a_config_error(tmp_path):
+    """Checked when the job is built, not when the first chunk is sent."""
+    from dvla.distributions import ExtraSpec
+    from swimlane.build import check_policy_io
+
+    env = make_env(WRIST)
+    policy = build_policy("tiny_vla", PolicySpec.for_env(env.spec), {"hidden_dim": 8, "vision_channels": 4,
+                                                                      "embed_dim": 4, "head": "flow"})
+    check_policy_io(policy, "tiny_vla")  # the flow head's chain travels
+    for extras, message in [({"z": ExtraSpec((2,), torch.complex64)}, r"dtype torch.complex64 cannot travel on the "
+                                                                       r"data plane \(allowed: uint8, "),
+                            ({"z": ExtraSpec((0, 2))}, r"shape \(0, 2\) must be positive integers"),
+                            ({"z": (2,)}, r"expected an ExtraSpec\(shape, dtype, high\), got \(2,\)")]:
+        policy.rollout_extras = lambda extras=extras: extras
+        with pytest.raises(ConfigError, match=r"policy.name=tiny_vla: rollout_extras\(\)\['z'\]: " + message):
+            check_policy_io(policy, "tiny_vla")
