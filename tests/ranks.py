@@ -4,6 +4,7 @@ joins a process group on ``tcp://127.0.0.1:port`` itself, and puts ``(rank, resu
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -152,3 +153,32 @@ def torchrun_job(tmp_path: Path, name: str, overrides: list[str], nproc: int = 2
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
     return out
+
+
+class LineProcess:
+    """A helper process that speaks JSON lines: its first line is read on start
+    (:attr:`hello`); :meth:`finish` writes ``done`` and returns its next line. Killed on
+    leaving the ``with`` block, whatever happened."""
+
+    def __init__(self, cmd: list[str], **kwargs):
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kwargs)
+        try:
+            self.hello = json.loads(self.proc.stdout.readline())
+        except BaseException:
+            self.close()
+            raise
+
+    def finish(self) -> dict:
+        self.proc.stdin.write("done\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def __enter__(self) -> "LineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+from ranks import LineProcess
 
 _RECEIVER = """
 import json, os, sys, time
@@ -52,10 +53,8 @@ def rss_mb(pid: int) -> float:
 
 
 def attack(receiver_args: dict, frame_mb: int, multipart: bool, tmp_path) -> dict:
-    rx = subprocess.Popen([sys.executable, "-c", _RECEIVER, json.dumps(receiver_args)], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True, cwd=tmp_path)
-    try:
-        hello = json.loads(rx.stdout.readline())
+    with LineProcess([sys.executable, "-c", _RECEIVER, json.dumps(receiver_args)], cwd=tmp_path) as rx:
+        hello = rx.hello
         time.sleep(0.5)
         before = rss_mb(hello["pid"])
         key = hello["endpoints"].get("curve_public_key", "")
@@ -63,12 +62,7 @@ def attack(receiver_args: dict, frame_mb: int, multipart: bool, tmp_path) -> dic
                               "1" if multipart else "0", key], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
         grown = rss_mb(hello["pid"]) - before
-        rx.stdin.write("done\n")
-        rx.stdin.flush()
-        result = json.loads(rx.stdout.readline())
-    finally:
-        rx.kill()
-        rx.wait()
+        result = rx.finish()
     return {"sent_mb": int(out.stdout), "grown_mb": grown, **result}
 
 

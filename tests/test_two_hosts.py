@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from ranks import torchrun_workers
+from ranks import LineProcess, torchrun_workers
 
 from dvla.metrics import read_metrics
 
@@ -186,11 +186,9 @@ def test_curve_admits_a_listed_key_and_refuses_an_unlisted_one_across_hosts(two_
     make_keys(tmp_path / "other", ["rank1"])  # same name, another key: not listed
     (tmp_path / "keys" / "public" / "rank0.key").unlink()  # only rank1 is admitted
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    rx = subprocess.Popen(a.command([sys.executable, "-c", _RECEIVER, str(tmp_path / "keys"),
-                                     str(tmp_path / "keys" / "public"), b.address]),
-                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        endpoints = json.loads(rx.stdout.readline())
+    with LineProcess(a.command([sys.executable, "-c", _RECEIVER, str(tmp_path / "keys"),
+                                str(tmp_path / "keys" / "public"), b.address]), env=env) as rx:
+        endpoints = rx.hello
         assert endpoints["tcp"].startswith(f"tcp://{a.address}:")
         ok = subprocess.run(b.command([sys.executable, "-c", _SENDER, json.dumps(endpoints), str(tmp_path / "keys"),
                                        "rank1", "3"]), env=env, capture_output=True, text=True, timeout=60)
@@ -198,12 +196,7 @@ def test_curve_admits_a_listed_key_and_refuses_an_unlisted_one_across_hosts(two_
         bad = subprocess.run(b.command([sys.executable, "-c", _SENDER, json.dumps(endpoints), str(tmp_path / "other"),
                                         "rank1", "1"]), env=env, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 0, bad.stderr  # it cannot tell: its messages just never arrive
-        rx.stdin.write("done\n")
-        rx.stdin.flush()
-        result = json.loads(rx.stdout.readline())
-    finally:
-        rx.kill()
-        rx.wait()
+        result = rx.finish()
     assert result["got"] == ["rank1"] * 3
     assert result["rejected"].get("curve_auth", 0) >= 1, result
 
