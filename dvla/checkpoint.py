@@ -331,20 +331,23 @@ def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 
 
-def save_weights(module: torch.nn.Module, path: str | Path, version: int, **meta: str) -> None:
-    """Write a module's weights as safetensors with its version (and a policy's registry
-    name) in the metadata, plus any ``meta`` strings."""
+def save_weights(module: torch.nn.Module, path: str | Path, version: int, state: dict | None = None,
+                 **meta: str) -> None:
+    """Write a module's weights (or ``state``, its whole state dict when the module is
+    sharded) as safetensors with its version (and a policy's registry name) in the
+    metadata, plus any ``meta`` strings."""
     info = {"version": str(version), **meta}
     if getattr(module, "registry_name", None):
         info["policy"] = str(module.registry_name)
-    save_safetensors(module.state_dict(), path, info)
+    save_safetensors(module.state_dict() if state is None else state, path, info)
 
 
-def weights_digest(module: torch.nn.Module) -> str:
-    """A short hash of every parameter and buffer's bytes, in state-dict order: ranks that
-    should hold identical weights (learners averaging gradients) report the same digest."""
+def weights_digest(module: torch.nn.Module, state: dict | None = None) -> str:
+    """A short hash of every parameter and buffer's bytes (of ``module``, or of ``state``, its
+    whole state dict), in state-dict order: ranks that should hold identical weights
+    (learners averaging gradients) report the same digest."""
     h = hashlib.sha256()
-    for name, t in module.state_dict().items():
+    for name, t in (module.state_dict() if state is None else state).items():
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -150,8 +150,14 @@ class AlgoConfig:
     activation memory). 0: the whole minibatch in one pass."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: the learner's forward passes and losses run under ``torch.autocast`` in
-    bfloat16; weights, gradients and optimizer state stay fp32. Rollouts still sample in
-    fp32, so at unchanged weights the importance ratio carries bf16 rounding (not exactly 1)."""
+    bfloat16 (sharded: on parameters gathered in bfloat16, gradients reduced in fp32);
+    weights and optimizer state stay fp32. Rollouts still sample in fp32, so at unchanged
+    weights the importance ratio carries bf16 rounding (not exactly 1)."""
+    shard: Literal["none", "fsdp"] = "none"
+    """``fsdp``: the learner ranks (``swimlane.learner_ranks`` > 1) are FSDP2-sharded: each
+    holds 1/N of the weights, gradients and optimizer state, and the weights published to
+    the rollouts are gathered one tensor at a time. ``none``: every learner holds the whole
+    model and gradients are all-reduced."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -271,6 +277,10 @@ class SwimlaneConfig:
     uses one chunk from every rollout group instead."""
     broadcast_every: int = 1
     """Publish weights after every N learner updates (sync mode needs 1)."""
+    publish_dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """The dtype of the published weights: the learner's snapshot, the control plane's
+    buckets and the inference replicas (which then sample under bf16 autocast). ``auto``:
+    bf16 on CUDA, fp32 on the CPU. A sharded learner gathers each tensor in this dtype."""
     queue_size: int = 4
     """Capacity of the chunk queue between sampling and learning (backpressure beyond)."""
     trace: bool = True
@@ -350,6 +360,9 @@ class JobConfig:
                     f"({self.algo.group_size}), got {self.env.n_envs}",
                 )
             )
+        if self.algo.shard == "fsdp" and self.swimlane.learner_ranks < 2:
+            errs.append(("algo.shard", "fsdp shards the learners over swimlane.learner_ranks, which is "
+                                       f"{self.swimlane.learner_ranks}: set it to 2 or more, or algo.shard=none"))
         dp = self.data_plane
         if dp.curve_authorized_dir and not dp.curve_keys_dir:
             errs.append(("data_plane.curve_authorized_dir", "admits only listed client keys, and rollout ranks "

@@ -51,6 +51,9 @@ class PolicySpec:
 class PolicyOutput:
     dist: ActionDistribution
     value: Tensor | None = None  # (B,)
+    # Set on sharded learners (dvla/sharding.py): the distribution's tensors, where FSDP looks
+    # for the outputs whose gradients start the backward pass of a unit.
+    backward_anchors: tuple[Tensor, ...] = ()
 
 
 @dataclass
@@ -155,6 +158,13 @@ class VLAPolicy(nn.Module, ABC):
         reach the optimizer."""
         return None
 
+    def shard_units(self) -> list[nn.Module]:
+        """Submodules a sharded learner (``algo.shard=fsdp``) gathers one at a time, in
+        forward order: a large model's transformer blocks, so that only one block's whole
+        weights exist at once. Each must use its parameters only inside its own ``forward``.
+        Default: none (the policy is one unit)."""
+        return []
+
     def preprocess(self, obs: Observation) -> Observation:
         """Model-specific input preparation on the policy's device, right before ``forward``
         (rollout and learning alike): resize, normalise, crop each camera. The stored
@@ -174,6 +184,13 @@ class VLAPolicy(nn.Module, ABC):
     def device(self) -> torch.device:
         p = next(self.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
+
+    def _autocast(self):
+        """Sampling with bf16 weights (an inference replica published in bf16,
+        ``swimlane.publish_dtype``) runs under bf16 autocast, so fp32 inputs meet them."""
+        p = next(self.parameters(), None)
+        bf16 = p is not None and p.dtype == torch.bfloat16
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def prepare(self, obs: Observation) -> Observation:
         """Tokenise instructions (once: ids and attention mask, the strings kept) and move the
@@ -203,9 +220,10 @@ class VLAPolicy(nn.Module, ABC):
         """Choose action chunks for a batch (rollout path): actions, their log-probs
         under this policy and value estimates."""
         obs = self.preprocess(self.prepare(obs))
-        out = self(obs)
-        draw = out.dist.draw(deterministic, generator)
-        values = self._value(out, obs)
+        with self._autocast():
+            out = self(obs)
+            draw = out.dist.draw(deterministic, generator)
+            values = self._value(out, obs)
         if values is None:
             values = torch.zeros(draw.actions.shape[0], device=draw.actions.device)
         want = self.rollout_extras()
@@ -230,7 +248,8 @@ class VLAPolicy(nn.Module, ABC):
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor:
         obs = self.preprocess(self.prepare(obs))
-        value = self._value(self(obs), obs)
+        with self._autocast():
+            value = self._value(self(obs), obs)
         return value if value is not None else torch.zeros(obs.batch_size, device=self.device)
 
 

@@ -178,10 +178,11 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
     algo = learn_gen = None
     if learner:
         sync = partial(allreduce_mean_grads, group=groups.learner) if sl.learner_ranks > 1 else None
-        if memory is not None:  # the learner's weights live in persistent buckets
+        pooled = memory is not None and cfg.algo.shard == "none"  # FSDP allocates a sharded learner's own
+        if pooled:  # the learner's weights live in persistent buckets
             flat_buckets(policy, alloc=persistent_alloc(memory), tag="policy")
         algo = build_algorithm(cfg.algo, policy, sync)
-        if memory is not None:
+        if pooled:
             memory.persistent.adopt_optimizer(algo.optimizer)
         learn_gen = torch.Generator().manual_seed(seed + 2)
     sample_gen = torch.Generator(device=device).manual_seed(seed + 104729 * rank + 1)
@@ -196,24 +197,36 @@ class WeightBuffers:
     bc: WeightBroadcaster | None  # the control plane (None in one process)
 
 
-def build_weights(policy, rank: int, world: int, control_group, stages, alloc, rollout: bool = True) -> WeightBuffers:
+def publish_dtype(sl: SwimlaneConfig, device: torch.device) -> torch.dtype:
+    """``swimlane.publish_dtype`` on ``device`` (``auto``: bf16 on CUDA, else fp32)."""
+    name = sl.publish_dtype if sl.publish_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
+    return torch.bfloat16 if name == "bf16" else torch.float32
+
+
+def build_weights(policy, rank: int, world: int, control_group, stages, alloc, rollout: bool = True,
+                  dtype: torch.dtype = torch.float32) -> WeightBuffers:
     """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
-    all laid out in flat buckets (from the persistent pool when memory is managed). The
-    policy's frozen parameters go over the control plane with the first version only. A
-    source rank that does not roll out (``rollout`` false) holds no replicas."""
+    all laid out in flat buckets (from the persistent pool when memory is managed), their
+    floating-point tensors in ``dtype`` (the publish dtype). The policy's frozen parameters
+    go over the control plane with the first version only. A source rank that does not
+    roll out (``rollout`` false) holds no replicas."""
     frozen = frozen_names(policy)
+
+    def copy_of(model):
+        return copy.deepcopy(model).requires_grad_(False).to(dtype)
+
     if world > 1 and rank == 0 and not rollout:
-        snapshot = copy.deepcopy(policy).requires_grad_(False)
+        snapshot = copy_of(policy)
         bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)
         return WeightBuffers(None, snapshot, [b.flat for b in bc.buckets], bc)
-    replicas = [copy.deepcopy(policy).requires_grad_(False) for _ in range(2)]
+    replicas = [copy_of(policy) for _ in range(2)]
     if world == 1:
-        snapshot = copy.deepcopy(policy).requires_grad_(False)
+        snapshot = copy_of(policy)
         snap_flats = flat_buckets(snapshot, alloc=alloc, tag="snapshot")
         flats = [flat_buckets(r, alloc=alloc, tag=f"replica{i}") for i, r in enumerate(replicas)]
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, snap_flats, None)
     if rank == 0:
-        snapshot = copy.deepcopy(policy).requires_grad_(False)
+        snapshot = copy_of(policy)
         bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)
         flats = [bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, [b.flat for b in bc.buckets], bc)

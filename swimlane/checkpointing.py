@@ -15,6 +15,7 @@ import torch
 
 from dvla.checkpoint import CheckpointManager
 from dvla.config import ConfigError
+from dvla.sharding import full_tensor
 from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 
 log = logging.getLogger("dvla.swimlane")
@@ -41,17 +42,28 @@ class RunCheckpoints:
             tensors.update({f"reference/{k}": v for k, v in ref.state_dict().items()})
         return tensors
 
-    def state(self, version: int, manifest: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The run's state at ``version`` as a checkpoint holds it: tensors and manifest."""
+    def state(self, version: int, manifest: dict[str, Any],
+              keep: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The run's state at ``version`` as a checkpoint holds it: tensors and manifest. A
+        sharded learner's tensors are gathered whole, one at a time, into host memory (a
+        collective: every learner calls it); ``keep=False`` drops each after its gather (a
+        learner that only takes part)."""
         opt_t, opt_meta = optimizer_state(self.algo.optimizer)
         rng_t, rng_meta = rng_state(self.generators)
-        return ({**self.weights(), **opt_t, **rng_t},
-                {"version": version, **manifest, "optimizer": opt_meta, "rng": rng_meta})
+        tensors = {}
+        for k, v in [*self.weights().items(), *opt_t.items()]:
+            whole = full_tensor(v)
+            if keep:
+                tensors[k] = whole.cpu() if whole is not v else v
+        return ({**tensors, **rng_t}, {"version": version, **manifest, "optimizer": opt_meta, "rng": rng_meta})
 
-    def save(self, version: int, manifest: dict[str, Any]) -> None:
+    def save(self, version: int, manifest: dict[str, Any], write: bool = True) -> None:
         """Write version ``version``; ``manifest`` adds the run's own entries (counters,
-        env steps, restarts, config)."""
-        self.manager.save(version, *self.state(version, manifest))
+        env steps, restarts, config). ``write=False``: a sharded learner other than rank 0,
+        which only takes part in gathering the state."""
+        state = self.state(version, manifest, keep=write)
+        if write:
+            self.manager.save(version, *state)
 
     def load_weights(self, t: dict[str, torch.Tensor]) -> None:
         self.policy.load_state_dict({k[7:]: v for k, v in t.items() if k.startswith("policy/")})

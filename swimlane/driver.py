@@ -10,12 +10,23 @@ that the run's summary is still written before torchrun's SIGKILL follows its SI
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import traceback
 from typing import Callable
 
 log = logging.getLogger("dvla.swimlane")
+
+
+def lower_thread_priority(nice: int) -> None:
+    """Add ``nice`` to the calling thread's niceness (Linux: a thread id is a process id
+    to ``setpriority``); warn and go on where that is not possible."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
+    except (AttributeError, OSError) as exc:
+        log.warning("swimlane.gradient_nice=%d not applied to the gradient lane: %r", nice, exc)
 
 
 class LaneError(RuntimeError):

@@ -20,8 +20,8 @@ from dvla.config import ConfigError, JobConfig
 from dvla.distributed import mean_over_group, resolve_device
 from dvla.metrics import MetricsLogger
 from dvla.rollout import cameras_of, episode_stats
+from dvla.sharding import learner_bytes, shard_learner
 from dvla.types import RolloutBatch
-from planes.buckets import module_weights
 from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
 from swimlane.agreement import agree
@@ -34,9 +34,11 @@ from swimlane.build import (
     check_world,
     persistent_alloc,
     place_ranks,
+    publish_dtype,
 )
 from swimlane.channels import LocalChannel
 from swimlane.checkpointing import RunCheckpoints, truncate_metrics
+from swimlane.driver import lower_thread_priority
 from swimlane.health import StallTimer, check_senders, check_stall
 from swimlane.lanes import (
     InferenceLane,
@@ -52,6 +54,7 @@ from swimlane.lanes import (
     Update,
 )
 from swimlane.ledger import Ledger, chunk_accounting
+from swimlane.snapshots import check_finite, copy_into_snapshot
 from swimlane.ordering import CollectiveOrder
 from swimlane.trace import Tracer
 from swimlane.validate import ChunkSpec
@@ -60,15 +63,6 @@ log = logging.getLogger("dvla.swimlane")
 _POLL_S = 0.05
 _THROTTLE_S = 2.0  # longest a rollout rank waits for newer weights while producing nothing
 
-
-def lower_thread_priority(nice: int) -> None:
-    """Add ``nice`` to the calling thread's niceness (Linux: a thread id is a process id
-    to ``setpriority``); warn and go on where that is not possible."""
-    try:
-        tid = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, tid, min(os.getpriority(os.PRIO_PROCESS, tid) + nice, 19))
-    except (AttributeError, OSError) as exc:
-        log.warning("swimlane.gradient_nice=%d not applied to the gradient lane: %r", nice, exc)
 
 class RankLanes:
     def __init__(self, cfg: JobConfig, rank: int = 0, world_size: int = 1,
@@ -121,10 +115,13 @@ class RankLanes:
             self.checkpoints = RunCheckpoints(self.ckpt, self.policy, self.algo, generators)
             self._start_learner(resume=cfg.run.resume or self.restarts > 0)
 
+        self.publish_dtype = publish_dtype(sl, self.device)
         buffers = build_weights(self.policy, rank, world_size, self.groups.control, self.groups.stages,
-                                persistent_alloc(self.memory), rollout=self.is_rollout)
+                                persistent_alloc(self.memory), rollout=self.is_rollout, dtype=self.publish_dtype)
         self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
                                                                  buffers.snap_flats, buffers.bc)
+        if self.is_learner and cfg.algo.shard == "fsdp":  # after agreeing on (or resuming) the whole state
+            shard_learner(self.algo, self.groups.learner)
         if self.memory is not None:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(
@@ -149,7 +146,8 @@ class RankLanes:
         """Rank 0, from the gradient lane: the run's state at this version, atomically."""
         with self.tracer.span("gradient", "checkpoint"):
             self.checkpoints.save(self.version, {"env_steps": self._env_steps, "counters": self.total_counters(),
-                                                 "restarts": self.restarts, "config": self.cfg.to_dict()})
+                                                 "restarts": self.restarts, "config": self.cfg.to_dict()},
+                                  write=self.rank == 0)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -268,7 +266,6 @@ class RankLanes:
         True after the last update (or when the time is up)."""
         self.version += 1
         stats, steps_global = self._global_stats(update.batch, update.env_steps)
-        self.order.updated(self.version)  # this update's collectives are done
         self._env_steps = steps_global
         wall = time.perf_counter() - self._start_time
         totals = self.total_counters()
@@ -276,21 +273,26 @@ class RankLanes:
              "env_steps_per_s": (steps_global - self.ledger.carried_env_steps) / wall, "learn_s": update.learn_s,
              "dropped_stale": totals["dropped_stale"], "queue_depth": self.source.depth(),
              "publish_bytes": self.bc.last_version_bytes if self.bc is not None else 0,  # the last version sent
+             "learner_state_bytes": learner_bytes(self.algo),  # weights and optimizer state held here
              "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
              **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
                 if k in ("sent", "rejected_invalid", "lost_dead_peer")},
              **stats, **update.learn, **self._memory_metrics()}
-        lead = self.rank == 0
+        lead, sharded = self.rank == 0, self.cfg.algo.shard == "fsdp"  # sharded: every learner gathers
         self.history.append(self._logger.log(self.version - 1, m))
         if lead and self.on_update is not None:
             self.on_update(self.history[-1])
         last = self.version == self.iterations or self.time_up
         every = self.cfg.run.save_every
-        if lead and ((every and self.version % every == 0) or last):
+        if (lead or sharded) and ((every and self.version % every == 0) or last):
             self._save_checkpoint()
-        if lead and (self.version % self.sl.broadcast_every == 0 or last):
+        if (lead or sharded) and (self.version % self.sl.broadcast_every == 0 or last):
             # Skipping a version would break the learners' order of collectives.
-            self._handoff(wait=self.sl.mode == "sync" or last or self.order.enabled)
+            if lead:
+                self._handoff(wait=self.sl.mode == "sync" or last or self.order.enabled)
+            else:
+                self._take_snapshot()
+        self.order.updated(self.version)  # this update's collectives are done
         return last
 
     def _check_health(self, stall: StallTimer) -> None:
@@ -339,14 +341,12 @@ class RankLanes:
         if not self.slot.offer(self.version, copy, wait, self.stop_event, _POLL_S) and self.slot.pending:
             self.ledger.add("publish_skipped_busy")
 
-    @torch.no_grad()
     def _take_snapshot(self) -> None:
-        """Copy the learner's weights for the publish lane; weights that are not finite are
-        never published (the run stops instead)."""
-        torch._foreach_copy_(module_weights(self.snapshot), module_weights(self.policy))
-        if not bool(torch.stack([torch.isfinite(f).all() for f in self.snap_flats]).all()):
-            raise RuntimeError(f"the weights of version {self.version} hold NaN or inf: not published, stopping "
-                               f"(counters: {self.counters})")
+        """Copy (gather, when sharded) the learner's weights for the publish lane; weights
+        that are not finite are never published (the run stops instead)."""
+        copy_into_snapshot(self.policy, self.snapshot, self.publish_dtype)
+        if self.snapshot is not None:
+            check_finite(self.snap_flats, self.version, self.counters)
 
     # -- broadcast lane --------------------------------------------------------------------
 
@@ -368,7 +368,9 @@ class RankLanes:
         self.rollout_stop.set()
 
     def _make_publisher(self) -> PublishLane:
-        return PublishLane(slot=self.slot, publish=lambda v: self._publish(v), snapshot=self._take_snapshot,
+        # A sharded learner's snapshot starts as a copy of the whole starting weights (build_weights).
+        first = self._take_snapshot if self.cfg.algo.shard == "none" else lambda: None
+        return PublishLane(slot=self.slot, publish=lambda v: self._publish(v), snapshot=first,
                            last_version=self.iterations, learner_done=self.learner_done, poll_s=_POLL_S)
 
     def _receive_lane(self) -> None:

@@ -43,6 +43,7 @@ from typing import Any, Callable
 
 from dvla.checkpoint import save_weights, weights_digest
 from dvla.config import dump_yaml
+from dvla.sharding import full_state_dict
 from swimlane.driver import LaneError, SerialDriver, ThreadedDriver
 from swimlane.rank import _POLL_S, RankLanes
 from swimlane.trace import utilization
@@ -175,6 +176,18 @@ class Swimlane(RankLanes):
         if self.source is not None and self.world_size > 1:
             self.source.close()
 
+    def _whole_weights(self) -> dict[str, Any] | None:
+        """The learner's whole state dict, for the digest and weights.safetensors (gathered
+        once from a sharded learner's shards: every learner calls this). None while the
+        gradient lane may be mid-update, or when sharded learners stopped early (a gather
+        could then wait for a learner that never joins it)."""
+        if not hasattr(self, "_whole"):
+            ok = "gradient" not in self.lanes_left_running
+            if self.cfg.algo.shard == "fsdp":
+                ok = ok and not self.errors and not self.stop_event.is_set()
+            self._whole = (full_state_dict(self.policy) if ok else None)
+        return self._whole
+
     def _finish(self, error: str | None = None) -> dict[str, Any]:
         wall = time.perf_counter() - self._start_time
         util = utilization(self.tracer.spans)
@@ -220,19 +233,22 @@ class Swimlane(RankLanes):
             this_attempt = steps - self.ledger.carried_env_steps
             summary.update(env_steps=steps, env_steps_per_s=this_attempt / wall if wall > 0 else 0.0,
                            final_success_rate=self.history[-1]["success_rate"] if self.history else None)
-            if "gradient" not in self.lanes_left_running:
-                summary["weights_digest"] = weights_digest(self.policy)
+            whole = self._whole_weights()
+            if whole is not None:  # the learner's weights, and as the replicas receive them
+                summary["weights_digest"] = weights_digest(self.policy, whole)
+                summary["published_digest"] = weights_digest(self.policy, {
+                    k: v.to(self.publish_dtype) if v.is_floating_point() else v for k, v in whole.items()})
         if self.sl.trace:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             name = "trace.json" if self.rank == 0 else f"trace_rank{self.rank}.json"
             self.tracer.save(self.out_dir / name, rank=self.rank, mode=self.sl.mode, run_start=self._start_time,
                              run_start_unix=self._start_unix)
         if self.rank == 0:
-            if "gradient" in self.lanes_left_running:  # its weights may be mid-update
-                log.warning("weights.safetensors not written: the gradient lane is still running; "
-                            "the last checkpoint holds the weights")
+            if self._whole_weights() is None:  # its weights may be mid-update (or in shards)
+                log.warning("weights.safetensors not written: the gradient lane is still running, or the "
+                            "sharded learners stopped early; the last checkpoint holds the weights")
             else:
-                save_weights(self.policy, self.out_dir / "weights.safetensors", self.version)
+                save_weights(self.policy, self.out_dir / "weights.safetensors", self.version, self._whole_weights())
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             attempts = self.out_dir / "attempts"  # one summary per torchrun attempt
             attempts.mkdir(exist_ok=True)

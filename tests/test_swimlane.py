@@ -205,9 +205,9 @@ def test_off_policy_update_recomputes_proximal_log_probs(tmp_path):
     calls, minibatches, real_step = [], [], algo._step
     real_prox = algo.proximal_log_probs
 
-    def prox_spy(d, chunk):
+    def prox_spy(d, chunk, *padding):
         calls.append(d["actions"].shape[0])
-        return real_prox(d, chunk)
+        return real_prox(d, chunk, *padding)
 
     def step_spy(mb):
         if not minibatches:  # the first step of the update, before any weight changes

@@ -29,14 +29,16 @@ from abc import ABC, abstractmethod
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from dvla.algos.losses import clipped_policy_loss, masked_mean
 from dvla.config import AlgoConfig
 from dvla.policy import VLAPolicy
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
 
-_PROXIMAL_INPUTS = ("image", "proprio", "ids", "ids_mask", "actions", "action_valid")
+_PROXIMAL_INPUTS = ("image", "proprio", "ids", "ids_mask", "actions", "action_valid", "behav_logp")
 
 
 def obs_of(mb: dict[str, Tensor]) -> Observation:
@@ -91,12 +93,22 @@ class Algorithm(ABC):
     def __init__(self, cfg: AlgoConfig, policy: VLAPolicy, grad_sync: GradSync | None = None):
         self.cfg = cfg
         self.policy = policy
-        groups = param_groups(policy)
-        self.params = [p for g in groups for p in g["params"]]
-        opt = torch.optim.AdamW if cfg.weight_decay else torch.optim.Adam
-        self.optimizer = opt(groups, lr=cfg.lr, eps=1e-5, weight_decay=cfg.weight_decay)
+        self.build_optimizer()
         self.grad_sync = grad_sync
+        # The learners' group when they are sharded (dvla/sharding.py): every rank then makes
+        # the same number of forward and backward passes per update, padding with empty ones.
+        self.shard_group = None
         self._totals: tuple[float, float] | None = None  # (samples, counted entries) of the minibatch, when micro-batched
+        self._passes = 1  # forward and backward passes per minibatch, on every rank (sharded)
+        self._dummy: dict[str, Tensor] | None = None  # a row for the padding passes (sharded)
+
+    def build_optimizer(self) -> None:
+        """The optimizer over the policy's parameter groups (again after sharding: the
+        parameters are new objects then)."""
+        groups = param_groups(self.policy)
+        self.params = [p for g in groups for p in g["params"]]
+        opt = torch.optim.AdamW if self.cfg.weight_decay else torch.optim.Adam
+        self.optimizer = opt(groups, lr=self.cfg.lr, eps=1e-5, weight_decay=self.cfg.weight_decay)
 
     @abstractmethod
     def advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
@@ -106,8 +118,10 @@ class Algorithm(ABC):
         """Algorithm-specific loss terms added to the policy loss."""
         return torch.zeros((), device=mb["adv"].device), {}
 
-    def _flatten(self, batch: RolloutBatch, adv: Tensor, ret: Tensor) -> dict[str, Tensor]:
-        t_idx, b_idx = batch.valid.nonzero(as_tuple=True)
+    def _flatten(self, batch: RolloutBatch, adv: Tensor, ret: Tensor,
+                 at: tuple[Tensor, Tensor] | None = None) -> dict[str, Tensor]:
+        """The valid steps (or the steps ``at``: time and env indices) as one row each."""
+        t_idx, b_idx = batch.valid.nonzero(as_tuple=True) if at is None else at
         return {
             "image": batch.image[t_idx, b_idx],
             "proprio": batch.proprio[t_idx, b_idx],
@@ -136,21 +150,35 @@ class Algorithm(ABC):
         m = mb["action_valid"]
         return m if like.dim() == 2 else m.unsqueeze(-1).expand_as(like)
 
+    def _evaluate(self, part: dict[str, Tensor]):
+        return self.policy.evaluate(obs_of(part), part["actions"], part["action_valid"], self.cfg.ratio,
+                                    extras_of(part))
+
     @torch.no_grad()
-    def proximal_log_probs(self, data: dict[str, Tensor], chunk: int) -> Tensor:
+    def proximal_log_probs(self, data: dict[str, Tensor], chunk: int, passes: int = 0) -> Tensor:
         """Log-probs of the recorded actions under the current weights (no gradient), in
         forward passes of ``chunk`` steps. The update passes its minibatch size: a batch the
         training step's forward pass already handles, and faster than one large pass (the
         activations of a few hundred steps stay in cache: for the tiny VLA on a 2-core CPU,
-        935 steps took about twice as long in one pass as in passes of 256)."""
+        935 steps took about twice as long in one pass as in passes of 256). ``passes``:
+        at least that many forward passes, padded with discarded ones (sharded learners)."""
         self.policy.eval()
         out = []
-        for s in range(0, data["actions"].shape[0], chunk):
-            part = {k: v[s : s + chunk] for k, v in data.items()}
-            obs = obs_of(part)
-            out.append(self.policy.evaluate(obs, part["actions"], part["action_valid"], self.cfg.ratio,
-                                            extras_of(part)).log_probs)
-        return torch.cat(out)
+        rows = data["actions"].shape[0]
+        for s in range(0, rows, chunk):
+            out.append(self._evaluate({k: v[s : s + chunk] for k, v in data.items()}).log_probs)
+        for _ in range(len(out), passes):
+            self._evaluate(self._dummy)
+        return torch.cat(out) if out else data["behav_logp"][:0].clone()
+
+    def _agree(self, *counts: int) -> list[int]:
+        """The largest of each count over the sharded learners (the counts as they are
+        otherwise)."""
+        if self.shard_group is None:
+            return list(counts)
+        t = torch.tensor(counts, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
+        return [int(c) for c in t]
 
     def update(self, batch: RolloutBatch, generator: torch.Generator | None = None,
                learner_version: int | None = None) -> dict[str, float]:
@@ -167,30 +195,40 @@ class Algorithm(ABC):
         adv, ret = self.advantages(batch)
         data = self._flatten(batch, adv, ret)
         n = data["adv"].shape[0]
-        if n == 0:
-            return {"samples": 0.0}
-        extra: dict[str, float] = {}
+        stale = None
         if learner_version is not None:
             lag = (learner_version - batch.policy_version[batch.valid]).float()
-            extra = {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
             stale = lag != 0
+        n_all, stale_all = self._agree(n, int(stale.sum()) if stale is not None else 0)
+        if n_all == 0:
+            return {"samples": 0.0}
+        if self.shard_group is not None:  # every rank makes the passes of the largest share
+            first = torch.zeros(1, dtype=torch.long, device=device)
+            self._dummy = self._flatten(batch, adv, ret, at=(first, first))
+            size = -(-n_all // self.cfg.minibatches)
+            self._passes = -(-size // self.cfg.micro_batch) if self.cfg.micro_batch else 1
+        extra: dict[str, float] = {}
+        if stale is not None:
+            if n:
+                extra = {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
             # The importance-weight stats come from the loss, minibatch by minibatch.
-            if bool(stale.any()):
+            if stale_all:
                 if self.cfg.proximal == "loglinear":
                     data["prox_alpha"] = lag / (lag + 1)  # interpolated in _step, per minibatch
                 else:
                     # Steps sampled by the learner's current weights already have their proximal
                     # log-probs: the behaviour ones. Only the stale steps need a forward pass.
-                    chunk = -(-n // self.cfg.minibatches)
+                    chunk = -(-n_all // self.cfg.minibatches)
+                    passes = -(-stale_all // chunk) if self.shard_group is not None else 0
                     if bool(stale.all()):
-                        data["prox_logp"] = self.proximal_log_probs(data, chunk)
+                        data["prox_logp"] = self.proximal_log_probs(data, chunk, passes)
                     else:
                         prox = data["behav_logp"].clone()
                         rows = stale.nonzero(as_tuple=True)[0]
                         prox[rows] = self.proximal_log_probs(
                             {k: v[rows] for k, v in data.items()
                              if k in _PROXIMAL_INPUTS or k.startswith((EXTRAS_PREFIX, CAMERAS_PREFIX))},
-                            chunk)
+                            chunk, passes)
                         data["prox_logp"] = prox
         self.policy.train(self.cfg.train_mode)  # eval by default: the rollouts' mode (algo.train_mode)
         sums: dict[str, float] = {}
@@ -212,6 +250,8 @@ class Algorithm(ABC):
         self.policy.eval()
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["samples"] = float(n)
+        if n == 0:  # a sharded learner whose share was empty: it made padding passes only
+            return out
         out["adv_mean"] = float(adv[batch.valid].mean())
         out["adv_std"] = float(adv[batch.valid].std()) if n > 1 else 0.0
         out.update(extra)
@@ -221,14 +261,36 @@ class Algorithm(ABC):
         """A minibatch with no samples (fewer valid steps than minibatches): contribute
         zero gradients to the learner ranks' all-reduce and apply the averaged gradient
         like every other rank, so the replicas stay identical."""
-        if self.grad_sync is None:
+        if self.grad_sync is None and self.shard_group is None:
             return
         self.optimizer.zero_grad(set_to_none=True)
-        self.grad_sync(self.params)
-        if bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm))):
+        self._totals = None
+        if self.shard_group is not None:
+            self._pad(self._passes)
+        if self.grad_sync is not None:
+            self.grad_sync(self.params)
+        if bool(torch.isfinite(self._clip())):
             self.optimizer.step()  # skipped with the other ranks when their averaged gradient is not finite
         else:
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _pad(self, passes: int) -> None:
+        """Forward and backward passes that add nothing to the gradient, so that a sharded
+        learner with a smaller share takes part in as many collectives as the others."""
+        for _ in range(passes):
+            with self._autocast():
+                loss, _ = self._loss(self._dummy)
+            (loss * 0.0).backward()
+
+    def _clip(self) -> Tensor:
+        """Clip the gradients' global norm to ``algo.max_grad_norm``; returns the norm before
+        (of the whole gradient, over every shard, when sharded)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm, foreach=True)
+        return norm
 
     def mean(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """A loss term's mean over the current minibatch (samples, or the counted entries of
@@ -239,6 +301,9 @@ class Algorithm(ABC):
         return masked_mean(x, mask, counted if mask is not None else n)
 
     def _autocast(self):
+        """bf16 autocast when ``algo.precision=bf16``. A sharded learner's parameters are
+        gathered in bf16 already (dvla/sharding.py); autocast still casts its fp32 inputs and
+        keeps the losses' reductions in fp32."""
         return torch.autocast(self.policy.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
 
     def _step(self, mb: dict[str, Tensor]) -> dict[str, float]:
@@ -258,6 +323,8 @@ class Algorithm(ABC):
             loss.backward()
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+        if self.shard_group is not None:
+            self._pad(self._passes - -(-n // size))
         return self._apply_gradients(sums)
 
     def _loss(self, mb: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
@@ -290,7 +357,7 @@ class Algorithm(ABC):
         """Average the accumulated gradients over the learners, clip, step."""
         if self.grad_sync is not None:
             self.grad_sync(self.params)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        grad_norm = self._clip()
         # A NaN or inf loss or gradient must not reach the weights: skip the step. After the
         # all-reduce every learner sees the same norm, so all of them skip it together.
         finite = bool(torch.isfinite(grad_norm))

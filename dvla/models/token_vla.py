@@ -145,6 +145,10 @@ class TokenVLA(VLAPolicy):
                 r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(config.lora_targets),
                 lora_dropout=0.0, bias="none"))
 
+    def shard_units(self) -> list[nn.Module]:
+        """The vision encoder's and the LM's transformer blocks, one FSDP unit each."""
+        return [m for m in self.modules() if type(m).__name__.endswith(("EncoderLayer", "DecoderLayer"))]
+
     @staticmethod
     def _make_tokenizer(config: "TokenVLA.Config", root: Path | None) -> HFTokenizer:
         path = Path(config.tokenizer) if config.tokenizer != "builtin" else None
