@@ -55,8 +55,8 @@ def _fmt_speedup(r: PlanReport) -> str:
 MODEL_TEXT = """\
 model (alpha-beta): a message of m bytes on one link costs alpha + m/B; B_net per node NIC,
   shared by all streams leaving/entering a node at once; B_local per GPU (NVLink).
-  flat: binomial tree over all ranks (torchrun order), ceil(log2 p) store-and-forward rounds,
-    each alpha + max(S/B_local, s*S/B_net) with s = streams on the busiest NIC.
+  flat: one NCCL broadcast over all ranks, a pipelined ring in torchrun order:
+    alpha*(p-1) + S/B, B = B_net once the ring crosses a node (one stream per NIC each way).
   hier: source -> N leaders (T1), leader -> its g ranks (T2); a stage over k ranks costs
     min(alpha*(k-1) + S/B, ceil(log2 k)*(alpha + S/B)); bucketed forwarding overlaps them:
     T = max(T1,T2) + min(T1,T2)/buckets.
@@ -85,14 +85,14 @@ def format_table(reports: list[PlanReport]) -> str:
     lines += ["", "copies: inter-node copies of one weights version; bcast: modelled broadcast time per version;",
               "eff: modelled weak-scaling efficiency (throughput(N) / (N * throughput(1)))", ""]
     lines += _table(
-        ["nodes", "inter-node flat", "inter-node hier", "flat rounds", "NIC streams", "hier T1", "hier T2",
+        ["nodes", "inter-node flat", "inter-node hier", "ring hops", "hier T1", "hier T2",
          "buckets", "learner hosts", "tcp routes"],
         [[str(r.nodes), _fmt_bytes(r.flat.inter_node_bytes), _fmt_bytes(r.hier.inter_node_bytes),
-          str(r.flat.rounds), str(r.flat.nic_streams), _fmt_time(r.stage_s(1)), _fmt_time(r.stage_s(2)),
+          str(r.flat.rounds), _fmt_time(r.stage_s(1)), _fmt_time(r.stage_s(2)),
           str(r.hier.buckets), str(r.learner_hosts), f"{r.tcp_routes}/{r.rollout}"] for r in reports])
-    lines += ["", "inter-node: bytes crossing hosts per version; NIC streams: most flat-tree transfers sharing one",
-              "node's NIC in a round; T1/T2: hierarchical stages (leaders, then local); tcp routes: rollout",
-              "ranks whose chunks cross hosts"]
+    lines += ["", "inter-node: bytes crossing hosts per version; ring hops: ranks the flat ring passes through;",
+              "T1/T2: hierarchical stages (leaders, then local); tcp routes: rollout ranks whose chunks cross",
+              "hosts"]
     notes = [f"{r.nodes} nodes: {n}" for r in reports for n in r.notes]
     if notes:
         lines += ["notes: " + "; ".join(notes)]
@@ -100,8 +100,8 @@ def format_table(reports: list[PlanReport]) -> str:
 
 
 def format_memory(reports: list[PlanReport], trainable: float, kl: bool, publish_bytes: float) -> str:
-    """Model memory per rank: the replicated fp32 learner dvla runs today against learners
-    sharded over all learner ranks (FSDP, planned), and a rollout rank's replicas."""
+    """Model memory per rank: replicated fp32 learners (``algo.shard=none``) against learners
+    sharded over all learner ranks (``algo.shard=fsdp``), and a rollout rank's replicas."""
     rows = []
     for r in reports:
         p, colocated = r.params, r.colocate and r.rollout == r.ranks
@@ -114,13 +114,14 @@ def format_memory(reports: list[PlanReport], trainable: float, kl: bool, publish
                      _fmt_bytes(4 * trainable * p), _fmt_bytes(publish_bytes * trainable * p)])
     lines = [f"memory per rank (model only: weights, gradients, Adam, snapshot, replicas{', reference' if kl else ''}; "
              f"trainable share {trainable:g})", ""]
-    lines += _table(["nodes", "learners", "learner today", "learner fsdp", "rollout today", f"rollout {publish_bytes:g} B",
-                     "version today", f"version {publish_bytes:g} B"], rows)
-    lines += ["", "today: every learner a full fp32 replica (weights, gradients, two Adam moments), the source's",
-              "fp32 snapshot, two fp32 inference replicas where it also rolls out; fsdp (planned, #19): weights,",
-              "gradients and moments split over the learners, published from the shards one bucket at a time,",
-              f"replicas in {publish_bytes:g} B per parameter. version: bytes per weights version after the first",
-              "(frozen parameters are sent with the first version only). Activations are not counted."]
+    lines += _table(["nodes", "learners", "learner fp32", "learner fsdp", "rollout fp32", f"rollout {publish_bytes:g} B",
+                     "version fp32", f"version {publish_bytes:g} B"], rows)
+    lines += ["", "fp32 (algo.shard=none, swimlane.publish_dtype=fp32): every learner a full fp32 copy (weights,",
+              "gradients, two Adam moments), the source's fp32 snapshot, two fp32 inference replicas where it also",
+              "rolls out. fsdp (algo.shard=fsdp): weights, gradients and moments split over the learners, each",
+              "tensor gathered in turn into the source's snapshot; snapshot and replicas in",
+              f"{publish_bytes:g} B per parameter. version: bytes per weights version after the first (frozen",
+              "parameters are sent with the first version only). Activations are not counted."]
     return "\n".join(lines)
 
 
@@ -134,7 +135,7 @@ def format_assumptions(r: PlanReport, net_gbps: float, local_gbps: float, latenc
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dvla plan",
-        description="Model the placement and per-version weight broadcast (flat binomial tree vs the "
+        description="Model the placement and per-version weight broadcast (one flat NCCL ring vs the "
                     "hierarchical node-leader tree) on a cluster, with weak-scaling efficiency.")
     p.add_argument("--nodes", nargs="+", default=["1,8,64,1024"],
                    help="node counts: one number or a list such as 1,8,64,1024 (default %(default)s)")

@@ -9,13 +9,11 @@ each direction, shared by all streams that leave (or enter) that node at the sam
 Intra-node: every GPU can send ``local_gbps`` (NVLink) at once. A version is
 ``S = params * bytes_per_param`` bytes; nodes hold ``g`` ranks each, ``p = N * g``.
 
-* Flat: a binomial tree over all p ranks in torchrun order (host by host), rooted at
-  rank 0, store-and-forward: ceil(log2 p) rounds; in round k every rank < 2^k that
-  holds the version sends all of it to rank + 2^k. A round costs
-  ``alpha + max(S / B_local, s * S / B_net)`` where s is the largest number of inter-node
-  transfers leaving or entering one node in that round (with 8 ranks per node, 8 share
-  one NIC once the tree has spread beyond a node). Every receive from another node is
-  one inter-node copy: ``(N - 1) * g`` when g is a power of two.
+* Flat: one broadcast over all p ranks as NCCL runs it, a pipelined ring (a chain in
+  torchrun order, host by host, the version cut into small chunks that every rank
+  forwards as soon as it has them): ``alpha * (p - 1) + S / B``, with B the slowest link
+  of the chain (``B_net`` once it crosses a node: each NIC carries one stream each way).
+  So about S / B whatever the number of ranks; N - 1 inter-node copies.
 * Hierarchical: stage 1 sends S from the source to the N node leaders, stage 2 from
   each leader to the g ranks of its node. A stage over k ranks costs the better of a
   pipelined chain, ``alpha * (k - 1) + S / B``, and a binomial tree,
@@ -45,7 +43,6 @@ import math
 import re
 from dataclasses import dataclass, field
 
-import numpy as np
 
 from launch.placement import Placement, place
 from launch.topology import Topology, from_spec
@@ -63,8 +60,8 @@ class BroadcastCost:
     time_s: float
     inter_node_copies: int
     inter_node_bytes: float
-    rounds: int = 0          # flat: binomial-tree rounds
-    nic_streams: int = 0     # flat: most transfers sharing one node's NIC in a round
+    rounds: int = 0          # flat: hops of the ring (p - 1)
+    nic_streams: int = 0     # flat: streams through one node's NIC at once (1 each way)
     stage1_s: float = 0.0    # hierarchical: source -> node leaders
     stage2_s: float = 0.0    # hierarchical: leader -> its node's ranks
     buckets: int = 1         # hierarchical: forwarding granularity
@@ -196,30 +193,14 @@ def _stage_time(k: int, size: float, bw: float, alpha: float) -> float:
 
 def flat_broadcast(nodes: int, gpus_per_node: int, size: float, net_bw: float, local_bw: float,
                    alpha: float) -> BroadcastCost:
-    """Binomial tree over all ranks, host-major numbering (see the module docstring)."""
+    """NCCL's pipelined ring over all ranks, host-major numbering (see the module docstring)."""
     p = nodes * gpus_per_node
     if p <= 1:
         return BroadcastCost(0.0, 0, 0.0)
-    node = np.arange(p, dtype=np.int64) // gpus_per_node
-    total, copies, rounds, worst = 0.0, 0, 0, 0
-    step = 1
-    while step < p:
-        senders = np.arange(min(step, p - step), dtype=np.int64)
-        receivers = senders + step
-        cross = node[senders] != node[receivers]
-        n_cross = int(cross.sum())
-        t = size / local_bw if n_cross < len(senders) else 0.0
-        if n_cross:
-            out_load = np.bincount(node[senders][cross], minlength=nodes).max()
-            in_load = np.bincount(node[receivers][cross], minlength=nodes).max()
-            streams = int(max(out_load, in_load))
-            worst = max(worst, streams)
-            t = max(t, streams * size / net_bw)
-        total += alpha + t
-        copies += n_cross
-        rounds += 1
-        step *= 2
-    return BroadcastCost(total, copies, copies * size, rounds=rounds, nic_streams=worst)
+    bw = net_bw if nodes > 1 else local_bw
+    copies = nodes - 1
+    return BroadcastCost(alpha * (p - 1) + size / bw, copies, copies * size, rounds=p - 1,
+                         nic_streams=1 if nodes > 1 else 0)
 
 
 def hierarchical_broadcast(nodes: int, gpus_per_node: int, size: float, net_bw: float, local_bw: float,
@@ -263,14 +244,14 @@ class RankMemory:
 
 def rank_memory(params: float, *, learners: int = 1, learns: bool = True, rolls_out: bool = False,
                 sharded: bool = False, trainable: float = 1.0, kl: bool = False, source: bool = True,
-                master_bytes: float = 4, publish_bytes: float = 4,
-                bucket_bytes: float = BUCKET_BYTES) -> RankMemory:
-    """Model memory of one rank. Replicated learner (dvla today): fp32 weights, fp32 gradients
-    and Adam moments of the ``trainable`` share, a snapshot on the source rank, two inference
-    replicas when it also rolls out, a reference with ``kl``. Sharded (FSDP over
-    ``learners``): weights, gradients, moments and reference divided by ``learners``; the
-    source publishes from the shards bucket by bucket (one bucket, no full snapshot).
-    Replicas and snapshots are in ``publish_bytes`` per parameter."""
+                master_bytes: float = 4, publish_bytes: float = 4) -> RankMemory:
+    """Model memory of one rank. Replicated learner (``algo.shard=none``): fp32 weights, fp32
+    gradients and Adam moments of the ``trainable`` share, a snapshot on the source rank, two
+    inference replicas when it also rolls out, an fp32 reference with ``kl``. Sharded
+    (``algo.shard=fsdp`` over ``learners``): weights, gradients, moments and reference divided
+    by ``learners``; the source gathers each tensor (one at a time, not counted) into its
+    snapshot. Replicas and snapshots are in ``publish_bytes`` per parameter
+    (``swimlane.publish_dtype``)."""
     m = RankMemory()
     if learns:
         div = learners if sharded else 1
@@ -278,9 +259,9 @@ def rank_memory(params: float, *, learners: int = 1, learns: bool = True, rolls_
         m.grads = master_bytes * trainable * params / div
         m.optimizer = 2 * master_bytes * trainable * params / div
         if source:
-            m.snapshot = min(bucket_bytes, publish_bytes * params) if sharded else publish_bytes * params
+            m.snapshot = publish_bytes * params
         if kl:
-            m.reference = publish_bytes * params / div
+            m.reference = master_bytes * params / div
     if rolls_out:
         m.replicas = 2 * publish_bytes * params
     return m
