@@ -58,7 +58,7 @@ if [ "$SMOKE" -eq 1 ]; then
   step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py -k "cuda or nccl"
   step broadcast 120 "$PY" bench/weight_broadcast.py --world 2 --mb 4 --layers 8 --repeats 1
   step memory 120 "$PY" bench/memory_churn.py --iters 20
-  step learner 120 "$PY" bench/learner_step.py --size tiny --device cpu --samples 16 --updates 1 --image 32
+  step learner 120 "$PY" bench/learner_step.py --size tiny --device cpu --samples 16 --updates 1 --image 32 --fsdp
   step swimlane 240 "$PY" bench/async_vs_sync.py --iterations 2 --envs 8 --image 16 --repeats 1 \
     --render-cost-ms 1 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png"
   step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
@@ -71,7 +71,7 @@ else
     step broadcast 90 env CUDA_VISIBLE_DEVICES= "$PY" bench/weight_broadcast.py --world 2 --mb 200 --repeats 5
   fi
   step memory 60 "$PY" bench/memory_churn.py --iters 300
-  step learner 120 "$PY" bench/learner_step.py --size 0.5b --device cuda --samples 64 --micro-batch 16 --updates 3
+  step learner 120 "$PY" bench/learner_step.py --size 0.5b --device cuda --samples 64 --micro-batch 16 --updates 3 --fsdp
   step swimlane 150 "$PY" bench/async_vs_sync.py --env genesis_reach --iterations 6 --envs 64 --image 64 \
     --repeats 1 --threads 4 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png" --set run.device=cuda
   step dataplane 60 "$PY" bench/data_plane.py --messages 200 --blocks 5

@@ -1,9 +1,13 @@
-"""Learner throughput of a transformer VLA (``token_vla``): bf16 autocast against fp32, one run.
+"""Learner throughput of a transformer VLA (``token_vla``): bf16 autocast (and, with
+``--fsdp``, an FSDP2-sharded bf16 learner) against fp32, one run.
 
 Builds ``token_vla`` at ``--size`` (random init) on ``--device``, draws one batch of
 ``--samples`` decisions with the policy itself (synthetic observations: random images,
 the built-in tokenizer's instructions, random proprio), and times GRPO updates of that
 batch (``--updates`` after one warm-up), alternating fp32 and ``algo.precision=bf16``.
+``--fsdp`` adds ``algo.shard=fsdp`` with bf16 (``dvla/sharding.py``: one FSDP unit per
+transformer block) over a process group of this one process, or of the torchrun world (each
+rank then learns from the same batch): the sharded code path on one GPU.
 
 Prints, per precision, the median update time, the tokens per second the learner processes
 (sequence positions through the LM: image patches + instruction + state + action tokens,
@@ -12,19 +16,26 @@ backward, plus 2 x frozen ones) and, on a GPU of known peak, the MFU; then bf16/
 
     python bench/learner_step.py --size 0.5b --device cuda --samples 64 --micro-batch 16
     python bench/learner_step.py --size tiny --device cpu --samples 32 --updates 2   # smoke
+    python bench/learner_step.py --size 0.5b --device cuda --samples 64 --micro-batch 16 --fsdp
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import statistics
+import tempfile
 import time
 
 import torch
 
+import torch.distributed as dist
+
 from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig
 from dvla.policy import PolicySpec, build_policy
+from dvla.sharding import shard_learner
 from dvla.types import Observation, RolloutBatch
 
 # Dense bf16 peak FLOP/s by device name (vendor figures, without sparsity).
@@ -71,8 +82,11 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=3, help="timed updates per precision")
     ap.add_argument("--image", type=int, default=224)
     ap.add_argument("--action-dim", type=int, default=7)
+    ap.add_argument("--fsdp", action="store_true", help="also time an FSDP2-sharded bf16 learner")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.fsdp:
+        join_group(device)
     torch.manual_seed(0)
     spec = PolicySpec((3, args.image, args.image), 8, args.action_dim, 1)
     options = {"size": args.size, "n_bins": 256}
@@ -85,16 +99,22 @@ def main() -> None:
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     frozen = sum(p.numel() for p in policy.parameters() if not p.requires_grad)
     state = {k: v.clone() for k, v in policy.state_dict().items()}
-    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    times: dict[str, list[float]] = {"fp32": [], "bf16": [], **({"fsdp-bf16": []} if args.fsdp else {})}
     algos = {}
     for precision in times:
         cfg = AlgoConfig(name="grpo", group_size=4, update_epochs=1, minibatches=1, lr=1e-5,
-                         micro_batch=args.micro_batch, precision=precision)
-        algos[precision] = build_algorithm(cfg, policy)
+                         micro_batch=args.micro_batch, precision="fp32" if precision == "fp32" else "bf16",
+                         shard="fsdp" if precision == "fsdp-bf16" else "none")
+        if cfg.shard == "fsdp":  # a copy of its own, sharded (its weights are never reset)
+            algos[precision] = build_algorithm(cfg, copy.deepcopy(policy))
+            shard_learner(algos[precision], dist.group.WORLD)
+        else:
+            algos[precision] = build_algorithm(cfg, policy)
     for i in range(args.updates + 1):  # the first round warms up
         order = list(times) if i % 2 == 0 else list(times)[::-1]
         for precision in order:
-            policy.load_state_dict(state)
+            if precision != "fsdp-bf16":
+                policy.load_state_dict(state)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -117,6 +137,20 @@ def main() -> None:
               f"{flops / 1e12:7.2f} TFLOP/s{mfu}")
     print(f"ratio bf16/fp32 = {med['fp32'] / med['bf16']:.2f}  (update speed-up, same batch, median of "
           f"{args.updates} alternating)")
+    if args.fsdp:
+        print(f"ratio fsdp-bf16/fp32 = {med['fp32'] / med['fsdp-bf16']:.2f}  (FSDP2 over {dist.get_world_size()} "
+              f"rank(s), bf16 parameters and compute, fp32 reductions)")
+        dist.destroy_process_group()
+
+
+def join_group(device: torch.device) -> None:
+    """The torchrun world, or a process group of this one process."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
 
 
 if __name__ == "__main__":
