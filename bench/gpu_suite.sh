@@ -10,13 +10,14 @@
 # for bench/RESULTS.md.
 #
 # Steps:
-#   gpu-tests  the tests that skip without CUDA (CUDA memory pools; NCCL needs 2 GPUs)
+#   gpu-tests  the tests that skip without CUDA (CUDA memory pools, lane streams; NCCL needs 2 GPUs)
 #   broadcast  control-plane broadcast vs one raw broadcast (NCCL with >= 2 GPUs, else gloo)
 #   memory     CUDA memory pools vs the caching allocator under churn (peak reserved, fragmentation)
-#   learner    token_vla learner updates, bf16 autocast vs fp32 (tokens/s, MFU)
+#   learner    token_vla learner updates: bf16 autocast and an FSDP2-sharded bf16 learner vs fp32
+#              (tokens/s, MFU)
+#   overlap    inference and learning at once, each lane on its own CUDA stream vs the default stream
 #   swimlane   async vs sync on genesis_reach with its GPU backend (fast_reach in the smoke)
 #   dataplane  the ZeroMQ data plane vs raw sockets
-# Not yet here (issue #19): FSDP2-sharded learners, inference/learning on separate CUDA streams.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -55,15 +56,17 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
 if [ "$SMOKE" -eq 1 ]; then
-  step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py -k "cuda or nccl"
+  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py tests/test_streams.py -k "cuda or nccl"
   step broadcast 120 "$PY" bench/weight_broadcast.py --world 2 --mb 4 --layers 8 --repeats 1
   step memory 120 "$PY" bench/memory_churn.py --iters 20
   step learner 120 "$PY" bench/learner_step.py --size tiny --device cpu --samples 16 --updates 1 --image 32 --fsdp
+  step overlap 120 "$PY" bench/stream_overlap.py --size tiny --device cpu --samples 8 --infer-batch 8 --infer 4 \
+    --updates 2 --image 32 --repeats 1
   step swimlane 240 "$PY" bench/async_vs_sync.py --iterations 2 --envs 8 --image 16 --repeats 1 \
     --render-cost-ms 1 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png"
   step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
 else
-  step gpu-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py -k "cuda or nccl"
+  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py tests/test_streams.py -k "cuda or nccl"
   if [ "$GPUS" -ge 2 ]; then
     step broadcast 90 "$PY" bench/weight_broadcast.py --world 2 --mb 1000 --layers 200 --repeats 5
   else
@@ -72,6 +75,7 @@ else
   fi
   step memory 60 "$PY" bench/memory_churn.py --iters 300
   step learner 120 "$PY" bench/learner_step.py --size 0.5b --device cuda --samples 64 --micro-batch 16 --updates 3 --fsdp
+  step overlap 60 "$PY" bench/stream_overlap.py --size 0.5b --device cuda --repeats 3
   step swimlane 150 "$PY" bench/async_vs_sync.py --env genesis_reach --iterations 6 --envs 64 --image 64 \
     --repeats 1 --threads 4 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png" --set run.device=cuda
   step dataplane 60 "$PY" bench/data_plane.py --messages 200 --blocks 5

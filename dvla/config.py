@@ -277,6 +277,10 @@ class SwimlaneConfig:
     uses one chunk from every rollout group instead."""
     broadcast_every: int = 1
     """Publish weights after every N learner updates (sync mode needs 1)."""
+    cuda_streams: bool = True
+    """On CUDA, the inference and gradient lanes each run their device work on a stream of
+    their own (inference at a higher priority), so that they overlap on one GPU. False: both
+    queue on the default stream. No effect on the CPU."""
     publish_dtype: Literal["auto", "fp32", "bf16"] = "auto"
     """The dtype of the published weights: the learner's snapshot, the control plane's
     buckets and the inference replicas (which then sample under bf16 autocast). ``auto``:

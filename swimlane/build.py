@@ -98,6 +98,16 @@ def build_memory(cfg: JobConfig, device: torch.device) -> tuple[MemoryManager | 
     return memory, host_pool
 
 
+def memory_metrics(memory: MemoryManager | None, host_pool: TransientPool | None) -> dict[str, float]:
+    """Both pools' metrics, and the host pool's where rollouts have one of their own."""
+    if memory is None:
+        return {}
+    m = memory.metrics()
+    if host_pool is not memory.transient:
+        m.update(host_pool.stats().as_metrics())
+    return m
+
+
 def persistent_alloc(memory: MemoryManager | None) -> Callable[..., torch.Tensor] | None:
     """An allocator for flat weight buckets from the persistent pool (None: plain tensors)."""
     if memory is None:

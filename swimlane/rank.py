@@ -32,6 +32,7 @@ from swimlane.build import (
     build_model,
     build_weights,
     check_world,
+    memory_metrics,
     persistent_alloc,
     place_ranks,
     publish_dtype,
@@ -55,6 +56,7 @@ from swimlane.lanes import (
 )
 from swimlane.ledger import Ledger, chunk_accounting
 from swimlane.snapshots import check_finite, copy_into_snapshot
+from swimlane.streams import LaneStream
 from swimlane.ordering import CollectiveOrder
 from swimlane.trace import Tracer
 from swimlane.validate import ChunkSpec
@@ -94,6 +96,8 @@ class RankLanes:
         self.learner_done = threading.Event()
 
         self.memory, self.host_pool = build_memory(cfg, self.device)
+        self.streams = {"inference": LaneStream(self.device, sl.cuda_streams, priority=-1),
+                        "gradient": LaneStream(self.device, sl.cuda_streams)}
 
         self.groups = build_groups(sl, world_size, pl, self.device)
         model = build_model(cfg, rank, self.device, pl, self.groups, self.memory)
@@ -219,7 +223,8 @@ class RankLanes:
     def _make_inference(self) -> InferenceLane:
         return InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
                              generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
-                             pool=self.memory.transient if self.memory is not None else None, poll_s=_POLL_S)
+                             pool=self.memory.transient if self.memory is not None else None, poll_s=_POLL_S,
+                             stream=self.streams["inference"])
 
     # -- gradient lane ---------------------------------------------------------------------
 
@@ -277,7 +282,7 @@ class RankLanes:
              "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
              **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
                 if k in ("sent", "rejected_invalid", "lost_dead_peer")},
-             **stats, **update.learn, **self._memory_metrics()}
+             **stats, **update.learn, **memory_metrics(self.memory, self.host_pool)}
         lead, sharded = self.rank == 0, self.cfg.algo.shard == "fsdp"  # sharded: every learner gathers
         self.history.append(self._logger.log(self.version - 1, m))
         if lead and self.on_update is not None:
@@ -309,16 +314,13 @@ class RankLanes:
         check_stall(stall, self.counters, self.version)
 
     def _activations(self):
-        """On CUDA, the learner's activations go to the transient pool's segments."""
-        return self.memory.transient.activations() if self.memory is not None else contextlib.nullcontext()
-
-    def _memory_metrics(self) -> dict[str, float]:
-        if self.memory is None:
-            return {}
-        m = self.memory.metrics()
-        if self.host_pool is not self.memory.transient:
-            m.update(self.host_pool.stats().as_metrics())
-        return m
+        """On CUDA, the learner's activations go to the transient pool's segments and its
+        device work to a stream of its own (swimlane/streams.py)."""
+        stack = contextlib.ExitStack()
+        if self.memory is not None:
+            stack.enter_context(self.memory.transient.activations())
+        stack.enter_context(self.streams["gradient"].use())
+        return stack
 
     def _global_stats(self, batch: RolloutBatch, steps_total: int) -> tuple[dict[str, float], int]:
         """Episode stats averaged and consumed env steps summed over the learner ranks."""

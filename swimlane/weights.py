@@ -43,6 +43,12 @@ class DoubleBufferedWeights:
             return idx
 
     def commit(self, idx: int, version: int) -> None:
+        """Mark replica ``idx`` complete as ``version``. The writer's device work (copies,
+        broadcasts into it) is finished first: the inference lane may read it from a stream
+        of its own (swimlane/streams.py)."""
+        device = self.flats[idx][0].device if self.flats[idx] else None
+        if device is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
         with self._cv:
             self._writing = None
             self.versions[idx] = version

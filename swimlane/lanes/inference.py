@@ -3,6 +3,7 @@ weights and answers each env group with its share, stamped with the weights vers
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from dvla.types import Observation
 from swimlane.channels import Channel
 from swimlane.lanes.messages import Reply, Request
+from swimlane.streams import LaneStream, tensors_of
 from swimlane.trace import Tracer
 from swimlane.weights import DoubleBufferedWeights
 
@@ -37,10 +39,13 @@ class InferenceLane:
     (one forward pass for all groups); in sync mode one at a time."""
 
     def __init__(self, *, requests: Channel[Request], replies: Channel[Reply], weights: DoubleBufferedWeights,
-                 generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05):
+                 generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05,
+                 stream: LaneStream | None = None):
+        """``stream``: the CUDA stream its forward passes run on (swimlane/streams.py)."""
         self.requests, self.replies = requests, replies
         self.weights, self.generator, self.tracer = weights, generator, tracer
         self.batch_all, self.pool, self.poll_s = batch_all, pool, poll_s
+        self.stream = stream
 
     def poll(self) -> bool:
         """For the serial driver: answer what is waiting, without blocking."""
@@ -69,8 +74,11 @@ class InferenceLane:
 
     def _answer(self, policy, version: int, kind: str, batch: list[Request]) -> None:
         lease = self.pool.lease() if self.pool is not None else None
-        obs = cat_obs([r.obs for r in batch], lease)
-        out = policy.act(obs, generator=self.generator) if kind == "act" else policy.value(obs)
+        with self.stream.use() if self.stream is not None else contextlib.nullcontext():
+            obs = cat_obs([r.obs for r in batch], lease)
+            out = policy.act(obs, generator=self.generator) if kind == "act" else policy.value(obs)
+        if self.stream is not None:
+            self.stream.hand_over(tensors_of(out))
         if lease is not None:
             lease.release()
         start = 0

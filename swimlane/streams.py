@@ -1,0 +1,72 @@
+"""A CUDA stream per lane, so that inference and learning overlap on one GPU.
+
+Every thread that never picks a stream uses the device's default stream, so the kernels of
+the inference and gradient lanes queue behind each other in one stream even though the
+lanes run in threads of their own. With ``swimlane.cuda_streams`` each of the two runs its
+device work in a stream of its own (inference at a higher priority: an env group waits on
+its actions) and the GPU interleaves them.
+
+The rule that keeps it correct: a lane's device work is complete when it hands a result to
+another lane. :meth:`LaneStream.use` runs a block on the lane's stream and waits for that
+stream at the end of it (only the lane's own thread waits; the other stream keeps going).
+Tensors a lane hands over are marked as used by the consumer's stream
+(:meth:`LaneStream.hand_over`), so that the caching allocator does not give their memory
+to the producer again while the consumer still reads it. Weights written into a standby
+replica are complete before it is marked ready (:class:`swimlane.weights.DoubleBufferedWeights`).
+On the CPU (or with the option off) all of this is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+
+class LaneStream:
+    def __init__(self, device: torch.device, enabled: bool = True, priority: int = 0):
+        """``priority``: CUDA stream priority, lower runs first (torch offers -1 and 0 on
+        most GPUs; see ``torch.cuda.Stream.priority_range``)."""
+        self.device = device
+        self.stream = None
+        if enabled and device.type == "cuda":
+            lo, hi = torch.cuda.Stream.priority_range()  # (0, -n): lower is higher priority
+            self.stream = torch.cuda.Stream(device, priority=max(min(priority, lo), hi))
+
+    @contextlib.contextmanager
+    def use(self) -> Iterator[None]:
+        """Run the block's device work on this stream; on leaving, wait until it is done."""
+        if self.stream is None:
+            yield
+            return
+        # The stream starts after what the thread's current stream already queued.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:
+            self.stream.synchronize()
+
+    def hand_over(self, tensors) -> None:
+        """Mark device ``tensors`` made on this stream as used by the default stream, where
+        the other lanes consume them."""
+        if self.stream is None:
+            return
+        consumer = torch.cuda.default_stream(self.device)
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(consumer)
+
+
+def tensors_of(obj) -> list[torch.Tensor]:
+    """The tensors of an inference reply (an ActOutput's fields, or a tensor)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    out = []
+    for v in vars(obj).values():
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, dict):
+            out.extend(t for t in v.values() if isinstance(t, torch.Tensor))
+    return out

@@ -1,0 +1,88 @@
+"""Lane streams (swimlane/streams.py): on the CPU a no-op the swimlane runs through; on CUDA
+the inference lane's forward passes, on a stream of their own while a learner updates on
+another, give the actions they give alone, and weights written into a standby replica are
+complete when the inference lane switches to it."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from dvla.algos import build_algorithm
+from dvla.config import AlgoConfig
+from dvla.envs import make_env
+from dvla.policy import PolicySpec, build_policy
+from dvla.presets import debug
+from dvla.rollout import collect_episodes
+from planes.buckets import flat_buckets
+from swimlane.streams import LaneStream, tensors_of
+from swimlane.weights import DoubleBufferedWeights
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_lane_streams_are_a_no_op_on_the_cpu():
+    s = LaneStream(torch.device("cpu"), enabled=True, priority=-1)
+    assert s.stream is None
+    t = torch.ones(3)
+    with s.use():
+        t.add_(1)
+    s.hand_over([t])  # nothing to mark on the CPU
+    assert torch.equal(t, torch.full((3,), 2.0))
+
+
+def _policy_and_batch(device):
+    cfg = debug()
+    env = make_env(cfg.env, "cpu", seed=0)
+    torch.manual_seed(0)
+    policy = build_policy("tiny_vla", PolicySpec.for_env(env.spec), cfg.policy.options)
+    batch = collect_episodes(env, policy, 6, group_size=4, generator=torch.Generator().manual_seed(0))
+    obs = env.reset()
+    return policy.to(device), batch, policy.prepare(obs)
+
+
+@cuda
+def test_cuda_inference_on_its_stream_beside_a_learner_gives_the_same_actions():
+    device = torch.device("cuda")
+    policy, batch, obs = _policy_and_batch(device)
+    replica = copy.deepcopy(policy).requires_grad_(False)
+    algo = build_algorithm(AlgoConfig(name="grpo", group_size=4, lr=1e-3), policy)
+    alone = [replica.act(obs, generator=torch.Generator(device).manual_seed(i)).actions.cpu() for i in range(20)]
+    s_inf, s_learn = LaneStream(device, priority=-1), LaneStream(device)
+    assert s_inf.stream is not None and s_inf.stream != s_learn.stream
+    got = []
+
+    def infer() -> None:
+        for i in range(20):
+            with s_inf.use():
+                out = replica.act(obs, generator=torch.Generator(device).manual_seed(i))
+            s_inf.hand_over(tensors_of(out))
+            got.append(out.actions.cpu())
+
+    t = threading.Thread(target=infer)
+    t.start()
+    for i in range(5):
+        with s_learn.use():
+            algo.update(batch, torch.Generator().manual_seed(i))
+    t.join()
+    assert all(torch.equal(a, b) for a, b in zip(alone, got)) and len(got) == 20
+
+
+@cuda
+def test_cuda_a_committed_replica_is_complete_for_a_reader_on_another_stream():
+    device = torch.device("cuda")
+    policy, _, obs = _policy_and_batch(device)
+    replicas = [copy.deepcopy(policy).requires_grad_(False) for _ in range(2)]
+    weights = DoubleBufferedWeights(replicas, [flat_buckets(r) for r in replicas])
+    new = [torch.randn_like(f) for f in flat_buckets(copy.deepcopy(policy))]
+    reader = LaneStream(device, priority=-1)
+    for version in range(1, 6):
+        src = [f * version for f in new]
+        weights.write(version, src)  # non-blocking copies on this thread's stream, then commit
+        with reader.use():
+            replica, v = weights.acquire()
+            seen = [f.clone() for f in weights.flats[weights.replicas.index(replica)]]
+        assert v == version and all(torch.equal(a, b) for a, b in zip(seen, src))
