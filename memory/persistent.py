@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from .budget import PoolBudgetError, format_bytes
 
@@ -13,6 +14,11 @@ from .pools import PoolStats, _DevicePool, _layout, _shape
 # --------------------------------------------------------------------------------------
 # Persistent pool
 # --------------------------------------------------------------------------------------
+
+
+def _local(t: Tensor) -> Tensor:
+    """What this process holds of ``t``: a sharded tensor's (DTensor's) local shard."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _scalar_dtype(fused: bool) -> torch.dtype:
@@ -80,7 +86,7 @@ class PersistentPool(_DevicePool):
         return t
 
     def _account(self, t: Tensor, tag: str) -> None:
-        nbytes = t.untyped_storage().nbytes()
+        nbytes = _local(t).untyped_storage().nbytes()
         self._bytes += nbytes
         self._count += 1
         key = tag or "untagged"
@@ -121,7 +127,9 @@ class PersistentPool(_DevicePool):
         """Create ``optimizer``'s state in this pool at start-up, before the first step.
 
         Supported: ``torch.optim.Adam`` and ``torch.optim.AdamW`` (foreach or not, fused,
-        capturable, amsgrad). For every parameter that requires grad, this creates exactly the
+        capturable, amsgrad), over plain or sharded (DTensor) parameters: a sharded parameter's
+        state is sharded like it, and only the local shard counts. For every parameter that
+        requires grad, this creates exactly the
         state Adam creates lazily on its first step (a ``step`` scalar on the CPU, or on the
         device when capturable/fused, and zero-filled ``exp_avg``, ``exp_avg_sq`` and with
         amsgrad ``max_exp_avg_sq`` shaped like the parameter), with the big tensors from this
@@ -166,7 +174,7 @@ class PersistentPool(_DevicePool):
                         _device_dtype_check_for_fused(p)  # the error torch would raise later
                     if group.get("capturable") or fused:
                         need += _scalar_dtype(fused).itemsize  # the on-device step counter
-                need += sum(p.numel() * p.element_size() for _ in keys)
+                need += sum(_local(p).numel() * p.element_size() for _ in keys)
                 plan.append((group, p, bool(state)))
 
         with self._lock:

@@ -126,6 +126,8 @@ class RankLanes:
                                                                  buffers.snap_flats, buffers.bc)
         if self.is_learner and cfg.algo.shard == "fsdp":  # after agreeing on (or resuming) the whole state
             shard_learner(self.algo, self.groups.learner)
+            if self.memory is not None:  # the moments' shards in the pool (FSDP keeps the weights')
+                self.memory.persistent.adopt_optimizer(self.algo.optimizer)
         if self.memory is not None:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(

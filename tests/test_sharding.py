@@ -127,6 +127,13 @@ def test_sharded_learners_publish_and_checkpoint_the_gathered_weights(tmp_path):
     out = torchrun_job(tmp_path, "sharded", run, nproc=3)
     summaries = [json.loads((out / f).read_text()) for f in ("summary.json", "summary_rank1.json",
                                                               "summary_rank2.json")]
+    # The pool holds each learner's shard of Adam's moments: half of every trainable parameter.
+    model_bytes = sum(p.numel() * 4 for p in build_policy("tiny_vla", PolicySpec.for_env(make_env(debug().env, "cpu").spec),
+                                                          debug().policy.options).parameters())
+    for s in summaries[:2]:
+        held = s["memory"]["persistent_tensors"]
+        assert 0.45 * model_bytes < held["optimizer/exp_avg"] == held["optimizer/exp_avg_sq"] < 0.55 * model_bytes
+        assert "policy" not in held  # FSDP holds the weights' shards
     digest = summaries[0]["weights_digest"]
     assert summaries[1]["weights_digest"] == digest  # the learners' gathered shards agree
     for s in summaries:
