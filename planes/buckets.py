@@ -4,6 +4,7 @@ as one collective per bucket (:mod:`planes.control`)."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 from typing import Callable
@@ -89,6 +90,21 @@ def layout_buckets(module: nn.Module, entries: list[tuple[str, Tensor]], bucket_
                 group.append(item)
                 size += item[1].numel()
     return buckets
+
+
+def layout_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of ``model`` on the meta device, floating tensors in ``dtype``: its weights'
+    names, shapes and dtypes, no storage (the model's own tensors are never copied)."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        meta = torch.empty_like(t, device="meta", dtype=dtype if t.is_floating_point() else t.dtype)
+        memo[id(t)] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def meta_alloc(numel: int, dtype: torch.dtype, device: torch.device, tag: str) -> Tensor:
+    """An :data:`Alloc` of buckets without storage, for a :func:`layout_copy`."""
+    return torch.empty(numel, dtype=dtype, device="meta")
 
 
 def flat_buckets(module: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES, alloc: Alloc | None = None,

@@ -118,7 +118,10 @@ class WeightBroadcaster:
 
     def __init__(self, module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, stages: list[Stage] | None = None,
-                 alloc: Alloc | None = None, frozen: frozenset[str] = frozenset()):
+                 alloc: Alloc | None = None, frozen: frozenset[str] = frozenset(),
+                 device: torch.device | None = None):
+        """``device``: where the weights travel (default: the module's); a relay rank passes
+        a module on the meta device, its layout only (:meth:`relay_buckets`)."""
         if bucket_bytes < 1:
             raise ValueError(f"control_plane.bucket_bytes: must be >= 1, got {bucket_bytes}")
         self.module = module
@@ -141,7 +144,7 @@ class WeightBroadcaster:
         entries = named_weights(module)
         if not entries:
             raise ValueError("control plane: the module has no parameters to broadcast")
-        self.device = entries[0][1].device
+        self.device = torch.device(device) if device is not None else entries[0][1].device
         self.names = [n for n, _ in entries]
         self.frozen = frozenset(frozen)
         self.checksum = layout_checksum(entries, bucket_bytes, self.frozen)
@@ -292,6 +295,38 @@ class WeightBroadcaster:
             work.wait()
         if into is None:
             self.version = version
+
+    @torch.no_grad()
+    def relay_buckets(self, version: int) -> None:
+        """:meth:`receive_buckets` on a rank that keeps nothing (a learner that does not roll
+        out): every bucket lands in one of two scratch buffers per dtype, at most a bucket
+        each, and is passed on to this rank's host when it leads one. The broadcaster may be
+        built on a meta-device module: no copy of the model exists here."""
+        carried = self._carried()
+        self.frozen_sent = True
+        self.last_version_bytes = sum(self.buckets[i].flat.numel() * self.buckets[i].flat.element_size()
+                                      for i in carried)
+        longest: dict[torch.dtype, int] = {}
+        for i in carried:
+            flat = self.buckets[i].flat
+            longest[flat.dtype] = max(longest.get(flat.dtype, 0), flat.numel())
+        scratch = {dt: [torch.empty(n, dtype=dt, device=self.device) for _ in range(2)] for dt, n in longest.items()}
+        busy: dict[tuple[torch.dtype, int], list] = {}  # a scratch buffer's collectives in flight
+        for n, i in enumerate(carried):
+            flat = self.buckets[i].flat
+            slot = (flat.dtype, n % 2)
+            for work in busy.pop(slot, []):  # the buffer is free once its last bucket moved on
+                work.wait()
+            buf = scratch[flat.dtype][n % 2][: flat.numel()]
+            if not self._send_stages:
+                busy[slot] = [self._recv(buf, async_op=True)]
+                continue
+            self._recv(buf)
+            busy[slot] = [self._send(st, buf, async_op=True) for st in self._send_stages]
+        for works in busy.values():
+            for work in works:
+                work.wait()
+        self.version = version
 
     @torch.no_grad()
     def load_flat(self, flats: list[Tensor], version: int) -> None:

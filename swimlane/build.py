@@ -25,7 +25,7 @@ from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget
 from planes.addresses import AddressError
-from planes.buckets import flat_buckets, frozen_names
+from planes.buckets import flat_buckets, frozen_names, layout_copy, meta_alloc
 from planes.config import DataPlaneConfigError
 from planes.keys import load_client_keys
 from planes.control import WeightBroadcaster, backend_for, hierarchical_stages, new_control_group
@@ -218,13 +218,18 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc, r
     """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
     all laid out in flat buckets (from the persistent pool when memory is managed), their
     floating-point tensors in ``dtype`` (the publish dtype). The policy's frozen parameters
-    go over the control plane with the first version only. A source rank that does not
-    roll out (``rollout`` false) holds no replicas."""
+    go over the control plane with the first version only. A rank that does not roll out
+    (``rollout`` false) holds no replicas: the source only its snapshot, any other rank
+    nothing (it relays each version bucket by bucket: :meth:`WeightBroadcaster.relay_buckets`)."""
     frozen = frozen_names(policy)
 
     def copy_of(model):
         return copy.deepcopy(model).requires_grad_(False).to(dtype)
 
+    if world > 1 and rank != 0 and not rollout:  # a relay: the layout only, on the meta device
+        bc = WeightBroadcaster(layout_copy(policy, dtype), src=0, group=control_group, stages=stages, alloc=meta_alloc,
+                               frozen=frozen, device=next(policy.parameters()).device)
+        return WeightBuffers(None, None, None, bc)
     if world > 1 and rank == 0 and not rollout:
         snapshot = copy_of(policy)
         bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)

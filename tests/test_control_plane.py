@@ -189,7 +189,38 @@ def _frozen(rank, world, control):
     return {"digest": digest(model), "version": bc.version}
 
 
-SCENARIOS = {"frozen": _frozen, "hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
+def _relay(rank, world, control):
+    """Two hosts, [0, 1] and [2, 3]; rank 2, the second host's leader, and rank 1 keep no
+    weights (learners that do not roll out): a meta-device layout, each version relayed
+    through two scratch buffers (rank 2 passes it on to rank 3), with a frozen layer sent
+    once. Rank 3 ends with the source's weights."""
+    from planes.buckets import layout_copy, meta_alloc
+
+    stages = hierarchical_stages(leaders=[0, 2], local_groups=[[0, 1], [2, 3]], src=0)
+    model = make_model(rank)
+    frozen = frozenset({"0.weight", "0.bias"})
+    relay = rank in (1, 2)
+    held = layout_copy(model, torch.float32) if relay else model
+    bc = WeightBroadcaster(held, src=0, group=control, bucket_bytes=256, stages=stages, frozen=frozen,
+                           alloc=meta_alloc if relay else None, device=torch.device("cpu"))
+    versions, sizes = [], []
+    if rank == 0:
+        for v in (1, 2, 3):
+            with torch.no_grad():
+                model[2].weight.add_(float(v))
+            bc.publish(v)
+        bc.shutdown()
+    else:
+        while (v := bc.receive_version()) >= 0:
+            (bc.relay_buckets if relay else bc.receive_buckets)(v)
+            versions.append(v)
+            sizes.append(bc.last_version_bytes)
+    metas = {t.device.type for t in held.state_dict().values()}
+    return {"digest": None if relay else digest(model), "versions": versions, "sizes": sizes, "devices": metas,
+            "traffic": dict(bc.traffic), "buckets": len(bc.buckets)}
+
+
+SCENARIOS = {"relay": _relay, "frozen": _frozen, "hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
              "separate_groups": _separate_groups}
 
 
@@ -286,3 +317,14 @@ def test_frozen_weights_go_out_with_the_first_version_only():
     assert res[0]["frozen_buckets"] >= 1 and res[0]["sizes"] == [whole, whole - frozen, whole - frozen]
     for r in (1, 2, 3):  # a leaf, a leader and its leaf
         assert res[r]["version"] == 3 and res[r]["digest"] == res[0]["digest"], r
+
+
+def test_a_rank_without_replicas_relays_versions_through_scratch_buffers():
+    res = run_ranks("relay", 4)
+    assert res[3]["digest"] == res[0]["digest"] and res[3]["versions"] == [1, 2, 3]
+    for r in (1, 2):  # the relays hold only a meta-device layout and saw every version
+        assert res[r]["devices"] == {"meta"} and res[r]["versions"] == [1, 2, 3]
+    assert res[0]["buckets"] > 4  # many buckets through two scratch buffers
+    assert res[2]["traffic"]["local_sent_bytes"] == res[3]["traffic"]["local_received_bytes"] > 0
+    first, later = res[3]["sizes"][0], res[3]["sizes"][1]
+    assert res[2]["sizes"] == res[3]["sizes"] and first > later  # the frozen layer went once

@@ -180,3 +180,19 @@ def test_sharded_bf16_learners_learn_fast_reach(tmp_path):
     model = build_policy("tiny_vla", PolicySpec.for_env(make_env(cfg.env, "cpu").spec), cfg.policy.options)
     whole = 3 * sum(p.numel() * 4 for p in model.parameters())  # fp32 weights and two moments
     assert 0.4 * whole < rows[-1]["learner_state_bytes"] < 0.6 * whole
+
+
+def test_sharded_learners_that_do_not_roll_out_hold_no_replicas(tmp_path):
+    """torchrun, two sharded learners that only learn and two rollout ranks: rank 0 holds its
+    shards and the snapshot it publishes from, rank 1 its shards only (it relays each version
+    through scratch buffers), and the rollout ranks end with the learners' weights."""
+    out = torchrun_job(tmp_path, "relay", ["run.iterations=3", "swimlane.learner_ranks=2", "swimlane.colocate=false",
+                                           "algo.shard=fsdp"], nproc=4)
+    s = [json.loads((out / f).read_text()) for f in ("summary.json", "summary_rank1.json", "summary_rank2.json",
+                                                      "summary_rank3.json")]
+    tags = [set(r["memory"]["persistent_tensors"]) for r in s]
+    assert tags[0] == {"broadcast/bucket0", "optimizer/exp_avg", "optimizer/exp_avg_sq"}
+    assert tags[1] == {"optimizer/exp_avg", "optimizer/exp_avg_sq"}  # no replica, no bucket
+    assert s[1]["broadcast_traffic"]["flat_received"] == 4  # versions 0-3, relayed
+    for r in s[2:]:
+        assert r["role"] == "rollout" and r["replica_version"] == 3 and r["replica_digest"] == s[0]["weights_digest"]

@@ -97,9 +97,9 @@ class PublishLane:
 
 
 class ReceiveLane:
-    """Every other rank: receive each published version into the standby replica. On a
-    learner, each receive waits for its turn in the rank's order of collectives
-    (:class:`swimlane.ordering.CollectiveOrder`)."""
+    """Every other rank: receive each published version into the standby replica (or, on a
+    rank without replicas, ``weights`` None, relay it). On a learner, each receive waits for
+    its turn in the rank's order of collectives (:class:`swimlane.ordering.CollectiveOrder`)."""
 
     def __init__(self, *, broadcaster, weights, tracer: Tracer, shutdown_marker: int,
                  order: CollectiveOrder | None = None, stop: threading.Event | None = None):
@@ -116,6 +116,10 @@ class ReceiveLane:
         version = self.bc.receive_version()
         if version == self.shutdown_marker:
             return False
+        if self.weights is None:  # a learner that does not roll out: pass the version on, keep nothing
+            with self.tracer.span("broadcast", "relay"):
+                self.bc.relay_buckets(version)
+            return self._received(version)
         # Pick the standby replica only now: until the data arrives, a version that is
         # ready but not yet picked up by the inference lane stays available to it.
         idx = self.weights.begin_write()
@@ -130,6 +134,9 @@ class ReceiveLane:
                     mine[i].copy_(other[i])
             self.with_frozen.add(idx)
         self.weights.commit(idx, version)
+        return self._received(version)
+
+    def _received(self, version: int) -> bool:
         self.last = version
         if self.order is not None:
             self.order.broadcast_done(version)
