@@ -67,6 +67,9 @@ class EpisodeRecorder:
         self.cameras = {k: zeros(t_len, b, *shape, dtype=torch.uint8) for k, shape in (cameras or {}).items()}
         self.done = torch.zeros(b, dtype=torch.bool)
         self.success = torch.zeros(b, dtype=torch.bool)
+        self.async_copies = self.image.is_pinned()  # pinned buffers take device copies without waiting
+        self._all_done = torch.zeros((), dtype=torch.bool, pin_memory=self.async_copies)
+        self._all_done_at = None  # CUDA event of the newest copy into _all_done
         self.t = 0
         self.ids: Tensor | None = None
         self.mask: Tensor | None = None
@@ -81,54 +84,78 @@ class EpisodeRecorder:
 
     @property
     def finished(self) -> bool:
-        return self.t >= self.t_len or bool(self.done.all())
+        """Every episode has ended (or the batch is full). On a GPU the all-done flag is the
+        newest one already back on the host: the batch may take one step more (its envs all
+        done, every step of it invalid) rather than wait for the device."""
+        if self.t >= self.t_len:
+            return True
+        if not self.done.is_cuda:
+            return bool(self.done.all())
+        return self._all_done_at is not None and self._all_done_at.query() and bool(self._all_done)
 
     def record(self, out: ActOutput, res: StepResult, version: int) -> Observation:
         """Store the decision taken in the current observation and its outcome; returns
-        the next observation (instruction ids reused: constant within an episode)."""
-        t, obs = self.t, self.obs
-        self.image[t] = obs.image.cpu()
-        self.proprio[t] = obs.proprio.cpu()
+        the next observation (instruction ids reused: constant within an episode).
+
+        Tensors on a GPU are copied into the buffers without waiting when the buffers are
+        pinned (the host pool on a CUDA run), and the episodes' done flags stay on the env's
+        device: a step never waits for the GPU (see :attr:`finished`, :meth:`build`)."""
+        t, obs, nb = self.t, self.obs, self.async_copies
+        dev = res.reward.device
+        if self.done.device != dev:  # the flags live where the env's outputs do
+            self.done, self.success = self.done.to(dev), self.success.to(dev)
+        self.image[t].copy_(obs.image, non_blocking=nb)
+        self.proprio[t].copy_(obs.proprio, non_blocking=nb)
         for k, buf in self.cameras.items():
-            buf[t] = obs.cameras[k].cpu()
+            buf[t].copy_(obs.cameras[k], non_blocking=nb)
         live = ~self.done
-        self.valid[t] = live
-        self.actions[t] = out.actions.cpu()
+        self.valid[t].copy_(live, non_blocking=nb)
+        self.actions[t].copy_(out.actions, non_blocking=nb)
         k = out.actions.shape[1]
-        executed = res.executed.cpu() if res.executed is not None else torch.full((self.b,), k)
-        mask = (torch.arange(k) < executed.unsqueeze(1)) & live.unsqueeze(1)  # (B, K)
-        self.action_valid[t] = mask
+        executed = res.executed.to(dev) if res.executed is not None else torch.full((self.b,), k, device=dev)
+        mask = (torch.arange(k, device=dev) < executed.unsqueeze(1)) & live.unsqueeze(1)  # (B, K)
+        self.action_valid[t].copy_(mask, non_blocking=nb)
         if out.log_prob_elements is not None:  # the behaviour log-prob of what the env applied
-            elements = out.log_prob_elements.cpu() * mask.unsqueeze(-1).to(torch.float32)
-            self.action_log_probs[t] = elements
-            self.log_probs[t] = elements.sum(dim=(1, 2))
+            applied = mask.to(out.log_prob_elements.device).unsqueeze(-1).to(torch.float32)
+            elements = out.log_prob_elements * applied
+            self.action_log_probs[t].copy_(elements, non_blocking=nb)
+            self.log_probs[t].copy_(elements.sum(dim=(1, 2)), non_blocking=nb)
         else:
-            self.log_probs[t] = out.log_probs.cpu()
-        self.values[t] = out.values.cpu()
+            self.log_probs[t].copy_(out.log_probs, non_blocking=nb)
+        self.values[t].copy_(out.values, non_blocking=nb)
         for k, buf in self.extras.items():
-            buf[t] = out.extras[k].cpu()
+            buf[t].copy_(out.extras[k], non_blocking=nb)
         self.policy_version[t] = version
-        self.rewards[t] = res.reward.cpu() * live
-        self.terminated[t] = res.terminated.cpu() & live
-        self.truncated[t] = res.truncated.cpu() & live
+        terminated = res.terminated & live
+        truncated = res.truncated & live
         if t == self.t_len - 1:
-            self.truncated[t] |= live & ~self.terminated[t]
-        self.done |= self.terminated[t] | self.truncated[t]
-        self.success |= res.success.cpu()
+            truncated = truncated | (live & ~terminated)
+        self.rewards[t].copy_(res.reward * live, non_blocking=nb)
+        self.terminated[t].copy_(terminated, non_blocking=nb)
+        self.truncated[t].copy_(truncated, non_blocking=nb)
+        self.done |= terminated | truncated
+        self.success |= res.success.to(dev)
+        if self.done.is_cuda:  # all done? copied back without waiting, read once it has landed
+            self._all_done.copy_(self.done.all(), non_blocking=True)
+            self._all_done_at = torch.cuda.Event()
+            self._all_done_at.record()
         self.t += 1
         self.obs = dataclasses.replace(res.obs, instruction_ids=self.ids, instruction_mask=self.mask)
         return self.obs
 
     def build(self, group_ids: Tensor, last_value: Tensor | None = None) -> RolloutBatch:
-        """The recorded batch; ``last_value`` bootstraps the value after the last step."""
+        """The recorded batch; ``last_value`` bootstraps the value after the last step. Waits
+        for the copies still in flight (a GPU rollout's)."""
         if last_value is not None:
-            self.values[self.t] = last_value.cpu()
+            self.values[self.t].copy_(last_value, non_blocking=self.async_copies)
+        if self.done.is_cuda or self.async_copies:
+            torch.cuda.current_stream().synchronize()
         return RolloutBatch(
             image=self.image, proprio=self.proprio, instruction_ids=self.ids.cpu(),
             instruction_mask=self.mask.cpu(), actions=self.actions,
             log_probs=self.log_probs, values=self.values, rewards=self.rewards, terminated=self.terminated,
             truncated=self.truncated, valid=self.valid, policy_version=self.policy_version,
-            success=self.success, group_ids=group_ids, action_valid=self.action_valid,
+            success=self.success.cpu(), group_ids=group_ids, action_valid=self.action_valid,
             action_log_probs=self.action_log_probs, cameras=dict(self.cameras), extras=dict(self.extras),
         )
 

@@ -62,8 +62,13 @@ class TransientPool(_DevicePool):
         budget_bytes: int | None = None,
         name: str = "transient",
         borrow_limit: float = 2.0,
+        pin_memory: bool = False,
     ) -> None:
         super().__init__(device, budget_bytes, name)
+        if pin_memory and self.device.type != "cpu":
+            raise ValueError(f"{name} pool: pin_memory is for a host pool, this one is on {self.device}")
+        #: Host blocks are page-locked, so device copies into and out of them need not wait.
+        self.pin_memory = pin_memory
         if not borrow_limit >= 1.0:
             raise ValueError(f"{name} pool: borrow_limit must be >= 1, got {borrow_limit!r}")
         #: A request may reuse a cached block of a larger class up to this many times its own.
@@ -151,12 +156,12 @@ class TransientPool(_DevicePool):
                 )
         try:
             with self._routed():
-                data = torch.empty(size, dtype=torch.uint8, device=self.device)
+                data = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
         except torch.OutOfMemoryError:
             # The device is full: give back what we cache and try once more.
             self._evict(self._reserved)
             with self._routed():
-                data = torch.empty(size, dtype=torch.uint8, device=self.device)
+                data = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
         self._allocations += 1
         self._reserved += size
         self._peak_reserved = max(self._peak_reserved, self._reserved)

@@ -84,7 +84,8 @@ def place_ranks(sl: SwimlaneConfig, rank: int, world: int) -> tuple[Topology, Pl
 
 def build_memory(cfg: JobConfig, device: torch.device) -> tuple[MemoryManager | None, TransientPool | None]:
     """The two pools (or none with ``memory.enabled=false``) and the pool rollout buffers
-    come from: host memory, since they go to the data plane from there."""
+    come from: host memory, since they go to the data plane from there (pinned on a CUDA run,
+    so that :class:`dvla.rollout.EpisodeRecorder` copies into it without waiting)."""
     if not cfg.memory.enabled:
         return None, None
     try:  # checked at config time on the CPU; a fraction resolves per device here
@@ -92,7 +93,8 @@ def build_memory(cfg: JobConfig, device: torch.device) -> tuple[MemoryManager | 
         host_pool = memory.transient
         if device.type != "cpu":
             host_pool = TransientPool("cpu", parse_budget(cfg.memory.transient_budget, "cpu",
-                                                          "memory.transient_budget"), name="transient_host")
+                                                          "memory.transient_budget"), name="transient_host",
+                                      pin_memory=device.type == "cuda")  # device copies need not wait
     except BudgetError as exc:
         raise ConfigError(str(exc)) from None
     return memory, host_pool

@@ -86,3 +86,56 @@ def test_cuda_a_committed_replica_is_complete_for_a_reader_on_another_stream():
             replica, v = weights.acquire()
             seen = [f.clone() for f in weights.flats[weights.replicas.index(replica)]]
         assert v == version and all(torch.equal(a, b) for a, b in zip(seen, src))
+
+
+def _record(device, alloc=None, steps=5, b=6):
+    """A batch recorded from synthetic steps (episodes ending at random), with every tensor
+    the recorder takes on ``device``; the same on every device."""
+    from dvla.envs.base import EnvSpec
+    from dvla.policy import ActOutput
+    from dvla.rollout import EpisodeRecorder
+    from dvla.types import Observation, StepResult
+
+    class Spec:
+        n_envs, spec = b, EnvSpec((3, 4, 4), 2, 2)
+
+    g = torch.Generator().manual_seed(0)
+
+    def obs():
+        return Observation(image=torch.randint(0, 255, (b, 3, 4, 4), dtype=torch.uint8, generator=g).to(device),
+                           proprio=torch.randn(b, 2, generator=g).to(device),
+                           instruction_ids=torch.ones(b, 2, dtype=torch.long, device=device),
+                           instruction_mask=torch.ones(b, 2, dtype=torch.bool, device=device))
+
+    rec = EpisodeRecorder(Spec(), action_chunk=2, episode_len=steps, alloc=alloc)
+    rec.start(obs())
+    while not rec.finished:
+        actions, elements = torch.randn(b, 2, 2, generator=g), torch.randn(b, 2, 2, generator=g)
+        ends = torch.rand(b, generator=g) < 0.3
+        res = StepResult(obs=obs(), reward=torch.rand(b, generator=g).to(device), terminated=ends.to(device),
+                         truncated=torch.zeros(b, dtype=torch.bool, device=device),
+                         success=ends.to(device), executed=torch.randint(1, 3, (b,), generator=g).to(device))
+        rec.record(ActOutput(actions.to(device), elements.sum((1, 2)).to(device), torch.randn(b, generator=g).to(device),
+                             elements.to(device)), res, version=1)
+    return rec.build(torch.arange(b)).to_dict()
+
+
+@cuda
+def test_cuda_rollout_copies_into_pinned_buffers_without_waiting_and_record_the_same_batch():
+    from memory import TransientPool
+
+    pool = TransientPool("cpu", name="transient_host", pin_memory=True)
+    lease = pool.lease()
+    on_gpu = _record(torch.device("cuda"), alloc=lease.empty, steps=5)
+    on_cpu = _record(torch.device("cpu"), steps=5)
+    assert lease.empty((4,), torch.float32).is_pinned()
+    # The GPU run may take one step more (its all-done flag lags): a step with every episode
+    # over, invalid, so the batches agree on every valid step.
+    valid = on_cpu["valid"]
+    assert torch.equal(on_gpu["valid"], valid)
+    for k, v in on_cpu.items():
+        got = on_gpu[k]
+        assert got.shape == v.shape, k
+        if v.dim() >= 2 and v.shape[1] == valid.shape[1] and v.shape[0] in (len(valid), len(valid) + 1):
+            got, v = got[: len(valid)][valid], v[: len(valid)][valid]
+        assert torch.equal(got, v), k
