@@ -153,6 +153,10 @@ class AlgoConfig:
     bfloat16 (sharded: on parameters gathered in bfloat16, gradients reduced in fp32);
     weights and optimizer state stay fp32. Rollouts still sample in fp32, so at unchanged
     weights the importance ratio carries bf16 rounding (not exactly 1)."""
+    activation_checkpointing: bool = False
+    """Recompute the activations of each block the policy's ``shard_units()`` names during the
+    backward pass instead of keeping them from the forward pass: less activation memory for
+    one more forward pass of those blocks (``token_vla``: every transformer block)."""
     shard: Literal["none", "fsdp"] = "none"
     """``fsdp``: the learner ranks (``swimlane.learner_ranks`` > 1) are FSDP2-sharded: each
     holds 1/N of the weights, gradients and optimizer state, and the weights published to

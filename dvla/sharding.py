@@ -28,11 +28,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["full_state_dict", "full_tensor", "gathered_weights", "is_sharded", "learner_bytes", "local_bytes", "shard_learner", "shard_module"]
+__all__ = ["checkpoint_activations", "full_state_dict", "full_tensor", "gathered_weights", "is_sharded", "learner_bytes", "local_bytes", "shard_learner", "shard_module"]
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -125,6 +126,20 @@ def _shard_like(value: Tensor, param: Tensor) -> Tensor:
     if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.shape == param.shape:
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     return value
+
+
+def checkpoint_activations(policy: nn.Module) -> int:
+    """Recompute the activations of each of ``policy.shard_units()`` in the backward pass
+    instead of keeping them (``algo.activation_checkpointing``; composable
+    ``torch.distributed._composable.checkpoint``: names and weights are unchanged). Apply it
+    before sharding. Returns the number of units; a ValueError when the policy names none."""
+    units = list(policy.shard_units())
+    if not units:
+        raise ValueError(f"algo.activation_checkpointing: {type(policy).__qualname__} names no shard_units() "
+                         "(the blocks whose activations would be recomputed)")
+    for unit in units:
+        checkpoint(unit)
+    return len(units)
 
 
 def shard_learner(algo, group: dist.ProcessGroup) -> None:

@@ -21,6 +21,7 @@ from dvla.distributed import allreduce_mean_grads
 from dvla.envs import env_spec, make_env
 from dvla.policy import ExtraSpec, PolicySpec, build_policy
 from dvla.rollout import cameras_of
+from dvla.sharding import checkpoint_activations, shard_learner
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget
@@ -199,6 +200,22 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
         learn_gen = torch.Generator().manual_seed(seed + 2)
     sample_gen = torch.Generator(device=device).manual_seed(seed + 104729 * rank + 1)
     return Model(envs, policy, algo, sample_gen, learn_gen)
+
+
+def prepare_learner(cfg: JobConfig, algo, groups: Groups, memory: MemoryManager | None) -> None:
+    """What a learner becomes once its starting state is agreed and its replicas are copied:
+    activation checkpointing (``algo.activation_checkpointing``), then FSDP2 shards
+    (``algo.shard``) with the moments' shards adopted by the persistent pool (FSDP keeps the
+    weights')."""
+    if cfg.algo.activation_checkpointing:
+        try:
+            checkpoint_activations(algo.policy)
+        except ValueError as exc:
+            raise ConfigError(f"policy.name={cfg.policy.name}: {exc}") from None
+    if cfg.algo.shard == "fsdp":
+        shard_learner(algo, groups.learner)
+        if memory is not None:
+            memory.persistent.adopt_optimizer(algo.optimizer)
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dvla.config import ConfigError, JobConfig
 from dvla.distributed import mean_over_group, resolve_device
 from dvla.metrics import MetricsLogger
 from dvla.rollout import cameras_of, episode_stats
-from dvla.sharding import learner_bytes, shard_learner
+from dvla.sharding import learner_bytes
 from dvla.types import RolloutBatch
 from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
@@ -35,6 +35,7 @@ from swimlane.build import (
     memory_metrics,
     persistent_alloc,
     place_ranks,
+    prepare_learner,
     publish_dtype,
 )
 from swimlane.channels import LocalChannel
@@ -124,10 +125,8 @@ class RankLanes:
                                 persistent_alloc(self.memory), rollout=self.is_rollout, dtype=self.publish_dtype)
         self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
                                                                  buffers.snap_flats, buffers.bc)
-        if self.is_learner and cfg.algo.shard == "fsdp":  # after agreeing on (or resuming) the whole state
-            shard_learner(self.algo, self.groups.learner)
-            if self.memory is not None:  # the moments' shards in the pool (FSDP keeps the weights')
-                self.memory.persistent.adopt_optimizer(self.algo.optimizer)
+        if self.is_learner:  # after agreeing on (or resuming) the whole state, and copying it
+            prepare_learner(cfg, self.algo, self.groups, self.memory)
         if self.memory is not None:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(

@@ -124,3 +124,41 @@ def test_a_learner_that_does_not_roll_out_holds_no_inference_replicas(tmp_path):
     assert learner["memory"]["persistent"]["reserved_bytes"] == 4 * model
     assert rollout["memory"]["persistent"]["reserved_bytes"] == 2 * model
     assert learner["version"] == 2 and rollout["replica_version"] == 2
+
+
+def test_activation_checkpointing_gives_the_same_update():
+    """algo.activation_checkpointing on token_vla (every transformer block recomputed in the
+    backward pass): the weights after an update equal those of an update that kept its
+    activations; a policy that names no blocks is refused."""
+    pytest.importorskip("transformers")
+    from dvla.sharding import checkpoint_activations
+
+    cfg = apply_overrides(debug(), ["policy.name=token_vla", "policy.options={}", "policy.options.n_bins=21",
+                                    "env.image_size=16", 'policy.options.vision={"image_size": 16}'])
+    env = make_env(cfg.env, "cpu", seed=0)
+    torch.manual_seed(0)
+    policy = build_policy("token_vla", PolicySpec.for_env(env.spec), cfg.policy.options)
+    batch = collect_episodes(env, policy, 4, group_size=4, generator=torch.Generator().manual_seed(0))
+    batch.rewards = torch.rand(batch.rewards.shape, generator=torch.Generator().manual_seed(1))
+    weights = []
+    for recompute in (False, True):
+        learner = copy.deepcopy(policy)
+        if recompute:
+            assert checkpoint_activations(learner) == 4  # 2 SigLIP + 2 Llama blocks
+        build_algorithm(AlgoConfig(name="grpo", group_size=4, lr=1e-2), learner).update(
+            batch, torch.Generator().manual_seed(2))
+        weights.append([p.detach() for p in learner.parameters()])
+    assert any(not torch.equal(a, b) for a, b in zip(weights[0], [p.detach() for p in policy.parameters()]))
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*weights))
+    tiny = build_policy("tiny_vla", PolicySpec.for_env(env.spec), debug().policy.options)
+    with pytest.raises(ValueError, match="names no shard_units"):
+        checkpoint_activations(tiny)
+
+
+def test_a_job_asking_to_checkpoint_a_policy_without_blocks_is_a_config_error(tmp_path):
+    from dvla.config import ConfigError
+    from swimlane import Swimlane
+
+    cfg = apply_overrides(debug(), ["algo.activation_checkpointing=true", f"run.out_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="policy.name=tiny_vla: algo.activation_checkpointing"):
+        Swimlane(cfg)

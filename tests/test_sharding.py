@@ -27,18 +27,22 @@ CASES = {
     "ppo-bins-stale": ("ppo", "joint", ["policy.options.head=bins"], 0, "recompute", 0.0, 40),
     "grpo-flow-micro-kl": ("grpo", "dim", ["policy.options.head=flow"], 5, "recompute", 0.1, 40),
     "grpo-bins-loglinear-empty-minibatches": ("grpo", "step", ["policy.options.head=bins"], 4, "loglinear", 0.0, 3),
-    # one FSDP unit per transformer block, frozen LoRA base weights beside trainable adapters
+    # one FSDP unit per transformer block, its activations recomputed in the backward pass,
+    # frozen LoRA base weights beside trainable adapters
     "token-vla-lora-blocks": ("grpo", "dim", TOKEN_VLA, 8, "recompute", 0.0, 20),
 }
 
 
-def _learners(policy, acfg, group):
-    """An unsharded learner (gradients all-reduced) and a sharded one, from the same weights."""
+def _learners(policy, acfg, group, recompute: bool):
+    """An unsharded learner (gradients all-reduced) and a sharded one, from the same weights;
+    ``recompute``: the sharded one checkpoints its blocks' activations."""
     from dvla.distributed import allreduce_mean_grads
-    from dvla.sharding import shard_learner
+    from dvla.sharding import checkpoint_activations, shard_learner
 
     plain = build_algorithm(acfg, copy.deepcopy(policy), partial(allreduce_mean_grads, group=group))
     sharded = build_algorithm(acfg, copy.deepcopy(policy))
+    if recompute:
+        checkpoint_activations(sharded.policy)
     shard_learner(sharded, group)
     return plain, sharded
 
@@ -64,7 +68,7 @@ def _update_worker(rank: int, port: int, case: str, out) -> None:
         acfg = AlgoConfig(name=algo, group_size=4, lr=1e-2, update_epochs=2, minibatches=4, kl_coef=kl,
                           ratio=ratio, micro_batch=micro, proximal=proximal)
         group = dist.new_group([0, 1])
-        plain, sharded = _learners(policy, acfg, group)
+        plain, sharded = _learners(policy, acfg, group, recompute=case.startswith("token"))
         stats = []
         for learner in (plain, sharded):
             for version in (2, 3):  # the second update sees moments from the first
