@@ -41,7 +41,14 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from dvla.atomic_io import exchange_paths, fsync_dir, save_safetensors, sha256_file, write_safetensors
+from dvla.atomic_io import (
+    exchange_paths,
+    fsync_dir,
+    save_safetensors,
+    sha256_file,
+    write_safetensors,
+)
+from dvla.sharding import full_state_dict
 
 log = logging.getLogger("dvla.checkpoint")
 
@@ -339,15 +346,16 @@ def save_weights(module: torch.nn.Module, path: str | Path, version: int, state:
     info = {"version": str(version), **meta}
     if getattr(module, "registry_name", None):
         info["policy"] = str(module.registry_name)
-    save_safetensors(module.state_dict() if state is None else state, path, info)
+    save_safetensors(full_state_dict(module) if state is None else state, path, info)
 
 
 def weights_digest(module: torch.nn.Module, state: dict | None = None) -> str:
     """A short hash of every parameter and buffer's bytes (of ``module``, or of ``state``, its
     whole state dict), in state-dict order: ranks that should hold identical weights
-    (learners averaging gradients) report the same digest."""
+    (learners averaging gradients) report the same digest. A sharded module's tensors are
+    gathered (a collective: every rank of its mesh calls this)."""
     h = hashlib.sha256()
-    for name, t in (module.state_dict() if state is None else state).items():
+    for name, t in (full_state_dict(module) if state is None else state).items():
         h.update(name.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -157,11 +157,11 @@ class AlgoConfig:
     """Recompute the activations of each block the policy's ``shard_units()`` names during the
     backward pass instead of keeping them from the forward pass: less activation memory for
     one more forward pass of those blocks (``token_vla``: every transformer block)."""
-    shard: Literal["none", "fsdp"] = "none"
+    shard: Literal["auto", "none", "fsdp"] = "auto"
     """``fsdp``: the learner ranks (``swimlane.learner_ranks`` > 1) are FSDP2-sharded: each
     holds 1/N of the weights, gradients and optimizer state, and the weights published to
     the rollouts are gathered one tensor at a time. ``none``: every learner holds the whole
-    model and gradients are all-reduced."""
+    model and gradients are all-reduced. ``auto``: ``fsdp`` with several learner ranks."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -377,6 +377,11 @@ class JobConfig:
                                                             "without data_plane.curve_keys_dir make fresh ones: "
                                                             "set curve_keys_dir (dvla keys DIR --ranks N)"))
         return errs
+
+    @property
+    def sharded_learners(self) -> bool:
+        """Whether the learners are FSDP2-sharded (``algo.shard``, ``auto`` resolved)."""
+        return self.algo.shard == "fsdp" or (self.algo.shard == "auto" and self.swimlane.learner_ranks > 1)
 
     # Convenience wrappers -------------------------------------------------------------
     def validate(self) -> "JobConfig":

@@ -15,6 +15,9 @@ A learner is sharded after it has agreed on its starting state with the others (
 resumed from a checkpoint): the full weights and optimizer state are cut into each rank's
 shard, and the optimizer is rebuilt on the sharded parameters (:func:`shard_learner`).
 
+The same units can recompute their activations in the backward pass instead of keeping
+them (:func:`checkpoint_activations`, ``algo.activation_checkpointing``).
+
 Every sharded collective is issued by all learners in the same order, so the number of
 forward and backward passes of an update must not depend on a rank's data: the algorithm
 pads with passes that contribute nothing (:class:`dvla.algos.base.Algorithm`).
@@ -33,7 +36,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["checkpoint_activations", "full_state_dict", "full_tensor", "gathered_weights", "is_sharded", "learner_bytes", "local_bytes", "shard_learner", "shard_module"]
+__all__ = ["checkpoint_activations", "full_state_dict", "full_tensor", "gathered_weights", "is_sharded",
+           "learner_bytes", "local_bytes", "shard_learner", "shard_module"]
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -191,7 +191,7 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
     algo = learn_gen = None
     if learner:
         sync = partial(allreduce_mean_grads, group=groups.learner) if sl.learner_ranks > 1 else None
-        pooled = memory is not None and cfg.algo.shard == "none"  # FSDP allocates a sharded learner's own
+        pooled = memory is not None and not cfg.sharded_learners  # FSDP allocates a sharded learner's own
         if pooled:  # the learner's weights live in persistent buckets
             flat_buckets(policy, alloc=persistent_alloc(memory), tag="policy")
         algo = build_algorithm(cfg.algo, policy, sync)
@@ -205,14 +205,14 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
 def prepare_learner(cfg: JobConfig, algo, groups: Groups, memory: MemoryManager | None) -> None:
     """What a learner becomes once its starting state is agreed and its replicas are copied:
     activation checkpointing (``algo.activation_checkpointing``), then FSDP2 shards
-    (``algo.shard``) with the moments' shards adopted by the persistent pool (FSDP keeps the
+    (``algo.shard``; ``auto``: with several learners) with the moments' shards adopted by the persistent pool (FSDP keeps the
     weights')."""
     if cfg.algo.activation_checkpointing:
         try:
             checkpoint_activations(algo.policy)
         except ValueError as exc:
             raise ConfigError(f"policy.name={cfg.policy.name}: {exc}") from None
-    if cfg.algo.shard == "fsdp":
+    if cfg.sharded_learners:
         shard_learner(algo, groups.learner)
         if memory is not None:
             memory.persistent.adopt_optimizer(algo.optimizer)

@@ -56,9 +56,9 @@ from swimlane.lanes import (
     Update,
 )
 from swimlane.ledger import Ledger, chunk_accounting
+from swimlane.ordering import CollectiveOrder
 from swimlane.snapshots import check_finite, copy_into_snapshot
 from swimlane.streams import LaneStream
-from swimlane.ordering import CollectiveOrder
 from swimlane.trace import Tracer
 from swimlane.validate import ChunkSpec
 
@@ -284,7 +284,7 @@ class RankLanes:
              **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
                 if k in ("sent", "rejected_invalid", "lost_dead_peer")},
              **stats, **update.learn, **memory_metrics(self.memory, self.host_pool)}
-        lead, sharded = self.rank == 0, self.cfg.algo.shard == "fsdp"  # sharded: every learner gathers
+        lead, sharded = self.rank == 0, self.cfg.sharded_learners  # sharded: every learner gathers
         self.history.append(self._logger.log(self.version - 1, m))
         if lead and self.on_update is not None:
             self.on_update(self.history[-1])
@@ -372,7 +372,7 @@ class RankLanes:
 
     def _make_publisher(self) -> PublishLane:
         # A sharded learner's snapshot starts as a copy of the whole starting weights (build_weights).
-        first = self._take_snapshot if self.cfg.algo.shard == "none" else lambda: None
+        first = self._take_snapshot if not self.cfg.sharded_learners else lambda: None
         return PublishLane(slot=self.slot, publish=lambda v: self._publish(v), snapshot=first,
                            last_version=self.iterations, learner_done=self.learner_done, poll_s=_POLL_S)
 

@@ -183,7 +183,7 @@ class Swimlane(RankLanes):
         could then wait for a learner that never joins it)."""
         if not hasattr(self, "_whole"):
             ok = "gradient" not in self.lanes_left_running
-            if self.cfg.algo.shard == "fsdp":
+            if self.cfg.sharded_learners:
                 ok = ok and not self.errors and not self.stop_event.is_set()
             self._whole = (full_state_dict(self.policy) if ok else None)
         return self._whole
