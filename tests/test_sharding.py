@@ -200,3 +200,26 @@ def test_sharded_learners_that_do_not_roll_out_hold_no_replicas(tmp_path):
     assert s[1]["broadcast_traffic"]["flat_received"] == 4  # versions 0-3, relayed
     for r in s[2:]:
         assert r["role"] == "rollout" and r["replica_version"] == 3 and r["replica_digest"] == s[0]["weights_digest"]
+
+
+def test_a_policy_whose_output_hides_its_tensors_from_fsdp_is_an_error(tmp_path, monkeypatch):
+    """Without the distribution's tensors among the forward's outputs, FSDP's backward hooks
+    never fire and the gradients stay whole on every rank: the update says so instead of
+    stepping on unsynchronised gradients (a group of one process is enough to see it)."""
+    import torch.distributed as dist
+
+    import dvla.sharding as sharding
+
+    monkeypatch.setattr(sharding, "_anchor_distribution", lambda module, args, output: output)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        cfg = debug()  # GRPO, no value head: the distribution is the only path to the loss
+        env = make_env(cfg.env, "cpu", seed=0)
+        policy = build_policy("tiny_vla", PolicySpec.for_env(env.spec), cfg.policy.options)
+        batch = collect_episodes(env, policy, 4, group_size=4, generator=torch.Generator().manual_seed(0))
+        algo = build_algorithm(AlgoConfig(name="grpo", group_size=4), policy)
+        sharding.shard_learner(algo, dist.group.WORLD)
+        with pytest.raises(RuntimeError, match="did not reduce-scatter"):
+            algo.update(batch, torch.Generator().manual_seed(0))
+    finally:
+        dist.destroy_process_group()

@@ -286,6 +286,12 @@ class Algorithm(ABC):
         """Clip the gradients' global norm to ``algo.max_grad_norm``; returns the norm before
         (of the whole gradient, over every shard, when sharded)."""
         grads = [p.grad for p in self.params if p.grad is not None]
+        if self.shard_group is not None and any(not isinstance(p, DTensor) for p in self.policy.parameters()):
+            raise RuntimeError(
+                f"sharded learner: FSDP did not reduce-scatter the gradients of {type(self.policy).__qualname__} "
+                "(its parameters are still gathered after the backward pass): its forward output exposes no "
+                "tensor that requires grad. Keep the distribution's tensors as its attributes (they reach FSDP "
+                "as PolicyOutput.backward_anchors)")
         norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
