@@ -53,7 +53,8 @@ class EnvConfig:
     """Reward on the step that reaches the goal."""
     options: dict[str, Any] = field(default_factory=dict)
     """Backend-specific options, validated by the env itself. fast_reach: ``n_targets,
-    max_delta, radius, privileged, render_cost_ms, wrist_camera``; genesis: ``max_delta,
+    max_delta, radius, privileged, render_cost_ms, wrist_camera, long_tail, long_tail_cap``;
+    genesis: ``max_delta,
     substeps_per_action, dt, privileged, vis_mode, action_mode``; gym: ``gym_id, instruction, image_key,
     make_kwargs``."""
 

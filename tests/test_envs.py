@@ -138,3 +138,38 @@ def test_gym_adapter_discrete_episode_end():
     assert env.done.all() and res.terminated.any()
     with pytest.raises(ConfigError, match="gym_id: required"):
         make_env(EnvConfig(name="gym", n_envs=2))
+
+
+def _greedy_lengths(options, n=256, steps=200, group_size=1):
+    """Steps to success of a greedy controller (full speed towards the goal), every env of a
+    batch reset together and none reset again: batch-synchronous episodes."""
+    env = fast(n, options={"privileged": True, **options}, render=False)
+    obs = env.reset(group_size=group_size)
+    done_at = torch.full((n,), steps)
+    for t in range(steps):
+        pos, goal = obs.proprio[:, :2], obs.proprio[:, 2:]
+        res = env.step(((goal - pos) / env.max_delta).clamp(-1, 1))
+        obs = res.obs
+        done_at[res.terminated & (done_at == steps)] = t + 1
+    return env, done_at.float()
+
+
+def test_long_tail_option_gives_heavy_tailed_episode_lengths():
+    """options.long_tail=1.5: most episodes as usual, a few many times longer. Episodes that
+    wait for the slowest of their batch then leave most env-steps idle (the workload for
+    per-env stepping); the default draws the same tasks and no slowness."""
+    plain_env, plain = _greedy_lengths({})
+    tail_env, tail = _greedy_lengths({"long_tail": 1.5})
+    assert torch.equal(plain_env.targets, tail_env.targets)  # the same tasks: slowness is drawn after them
+    assert bool((plain_env.slowness == 1).all()) and float(tail_env.slowness.max()) <= 20.0
+
+    def idle(lengths):  # env-steps spent done while the batch waits for its slowest episode
+        return float((lengths.max() - lengths).sum() / (lengths.max() * len(lengths)))
+
+    assert plain.max() <= 3 * plain.median() and tail.max() >= 5 * tail.median()
+    assert idle(tail) > 0.8 > idle(plain)
+    grouped, lengths = _greedy_lengths({"long_tail": 1.5}, group_size=4)
+    assert bool((grouped.slowness.view(-1, 4) == grouped.slowness.view(-1, 4)[:, :1]).all())  # one per group
+    assert bool((lengths.view(-1, 4) == lengths.view(-1, 4)[:, :1]).all())  # a group's episodes alike
+    with pytest.raises(ConfigError, match="long_tail_cap"):
+        fast(options={"long_tail": 1.0, "long_tail_cap": 0.5})

@@ -8,6 +8,13 @@ camera (``Observation.cameras["wrist"]``, N x N pixels): a close view centred on
 effector. Proprio is the effector position (and, with ``options.privileged=true``, the goal
 position too, for state-based baselines).
 
+``options.long_tail=A`` (A > 0) gives episode lengths a heavy tail: every episode (every
+GRPO group: it is part of the task) draws a slowness ``s`` from a Pareto distribution of
+shape A (``P(s > x) = x^-A`` for x >= 1), capped at ``options.long_tail_cap``, and the
+effector moves ``max_delta / s`` per step. Most episodes run as usual; a few take many times
+longer (A = 1.5: one in ten is 4.6x slower or more). It is the workload on which episodes
+that wait for the slowest of their batch leave most envs idle. 0 (the default) draws nothing.
+
 It runs thousands of steps per second, which makes it the env of choice for tests
 and for measuring framework overhead; ``options.render_cost_ms`` adds that much CPU work
 per rendered observation to imitate a slow simulator in benchmarks. The work (hashing a
@@ -38,7 +45,7 @@ COLORS = {
 
 class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
-               "render_cost_ms": 0.0, "wrist_camera": 0}
+               "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0}
     WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
@@ -55,10 +62,13 @@ class FastReachEnv(GoalEnv):
         n = opts["n_targets"]
         if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(COLORS)):
             raise ConfigError(f"env.options.n_targets: must be an integer in [1, {len(COLORS)}], got {n!r}")
-        for key in ("max_delta", "radius", "render_cost_ms"):
+        for key in ("max_delta", "radius", "render_cost_ms", "long_tail"):
             v = opts[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
+        cap = opts["long_tail_cap"]
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 1:
+            raise ConfigError(f"env.options.long_tail_cap: the largest slowness, a number >= 1, got {cap!r}")
         w = opts["wrist_camera"]
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ConfigError(f"env.options.wrist_camera: the wrist camera's side in pixels (0: none), got {w!r}")
@@ -75,6 +85,7 @@ class FastReachEnv(GoalEnv):
         self.success_threshold = float(opts["radius"])
         self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
         self.wrist = int(opts["wrist_camera"])
+        self.long_tail, self.long_tail_cap = float(opts["long_tail"]), float(opts["long_tail_cap"])
         s = cfg.image_size
         self.spec = self.spec_for(cfg)
         lin = torch.linspace(-1.0, 1.0, s, device=self.device)
@@ -85,6 +96,7 @@ class FastReachEnv(GoalEnv):
         self.pos = torch.zeros(b, 2, device=self.device)
         self.targets = torch.zeros(b, self.n_targets, 2, device=self.device)
         self.goal_idx = torch.zeros(b, dtype=torch.long, device=self.device)
+        self.slowness = torch.ones(b, device=self.device)  # options.long_tail: each episode's
 
     def _reset_task(self, group_size: int) -> None:
         g = self.n_envs // group_size
@@ -95,13 +107,18 @@ class FastReachEnv(GoalEnv):
         self.pos = self.group_repeat(pos, group_size).to(self.device)
         self.targets = self.group_repeat(targets, group_size).to(self.device)
         self.goal_idx = self.group_repeat(goal, group_size).to(self.device)
+        if self.long_tail > 0:  # Pareto(A) by inversion, drawn after the task (the default draws nothing)
+            u = torch.rand(g, generator=gen)
+            slow = (1.0 - u).pow(-1.0 / self.long_tail).clamp(max=self.long_tail_cap)
+            self.slowness = self.group_repeat(slow, group_size).to(self.device)
 
     @property
     def goal(self) -> Tensor:
         return self.targets[torch.arange(self.n_envs, device=self.device), self.goal_idx]
 
     def _apply(self, action: Tensor) -> None:
-        self.pos = (self.pos + self.max_delta * action).clamp(-1.0, 1.0)
+        step = self.max_delta * action if self.long_tail <= 0 else self.max_delta * action / self.slowness[:, None]
+        self.pos = (self.pos + step).clamp(-1.0, 1.0)
 
     def _distance(self) -> Tensor:
         return (self.pos - self.goal).norm(dim=-1)
