@@ -68,7 +68,7 @@ class EpisodeRecorder:
         self.done = torch.zeros(b, dtype=torch.bool)
         self.success = torch.zeros(b, dtype=torch.bool)
         self.async_copies = self.image.is_pinned()  # pinned buffers take device copies without waiting
-        self._all_done = torch.zeros((), dtype=torch.bool, pin_memory=self.async_copies)
+        self._all_done: Tensor | None = None  # pinned host flag: every episode over (GPU envs)
         self._all_done_at = None  # CUDA event of the newest copy into _all_done
         self.t = 0
         self.ids: Tensor | None = None
@@ -136,6 +136,8 @@ class EpisodeRecorder:
         self.done |= terminated | truncated
         self.success |= res.success.to(dev)
         if self.done.is_cuda:  # all done? copied back without waiting, read once it has landed
+            if self._all_done is None:
+                self._all_done = torch.zeros((), dtype=torch.bool, pin_memory=True)
             self._all_done.copy_(self.done.all(), non_blocking=True)
             self._all_done_at = torch.cuda.Event()
             self._all_done_at.record()
