@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig
-from dvla.policy import PolicySpec, build_policy
+from dvla.policy import PolicySpec, VLAPolicy, build_policy
 from dvla.sharding import shard_learner
 from dvla.types import Observation, RolloutBatch
 
@@ -73,26 +73,43 @@ def make_batch(policy, samples: int, image: int, device: torch.device) -> Rollou
                                                                            for n, v in out.extras.items()})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_args(doc: str) -> argparse.ArgumentParser:
+    """The options of a bench that builds ``token_vla`` and a learner batch (this one and
+    bench/stream_overlap.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="tiny", choices=["tiny", "0.5b", "7b"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--samples", type=int, default=64, help="decisions in the batch")
-    ap.add_argument("--micro-batch", type=int, default=0, help="algo.micro_batch (0: the whole minibatch)")
-    ap.add_argument("--updates", type=int, default=3, help="timed updates per precision")
+    ap.add_argument("--samples", type=int, default=64, help="decisions in a learner batch")
+    ap.add_argument("--updates", type=int, default=3, help="timed learner updates")
     ap.add_argument("--image", type=int, default=224)
     ap.add_argument("--action-dim", type=int, default=7)
-    ap.add_argument("--fsdp", action="store_true", help="also time an FSDP2-sharded bf16 learner")
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    if args.fsdp:
-        join_group(device)
+    return ap
+
+
+def build_model(args) -> VLAPolicy:
+    """``token_vla`` at ``--size`` (random init) on ``--device``, in eval mode."""
     torch.manual_seed(0)
     spec = PolicySpec((3, args.image, args.image), 8, args.action_dim, 1)
     options = {"size": args.size, "n_bins": 256}
     if args.size == "tiny":
         options["vision"] = {"image_size": args.image}
-    policy = build_policy("token_vla", spec, options).to(device).eval()
+    return build_policy("token_vla", spec, options).to(args.device).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    ap = model_args(__doc__)
+    ap.add_argument("--micro-batch", type=int, default=0, help="algo.micro_batch (0: the whole minibatch)")
+    ap.add_argument("--fsdp", action="store_true", help="also time an FSDP2-sharded bf16 learner")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if args.fsdp:
+        join_group(device)
+    policy = build_model(args)
     batch = make_batch(policy, args.samples, args.image, device)
     n_patches = (policy.image_size // policy.vision.config.patch_size) ** 2
     tokens_per_sample = n_patches + batch.instruction_ids.shape[1] + 1 + args.action_dim
@@ -115,12 +132,10 @@ def main() -> None:
         for precision in order:
             if precision != "fsdp-bf16":
                 policy.load_state_dict(state)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             t0 = time.perf_counter()
             algos[precision].update(batch, torch.Generator().manual_seed(i))
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync(device)
             if i:
                 times[precision].append(time.perf_counter() - t0)
     peak = peak_of(device)

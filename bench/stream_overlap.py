@@ -4,7 +4,7 @@
 Builds ``token_vla`` at ``--size`` (random init) on ``--device``: a learner and an inference
 replica, as a colocated rank holds them. Two threads, as the swimlane's lanes: one samples
 actions for ``--infer-batch`` observations ``--infer`` times, one makes ``--updates`` GRPO
-updates of a ``--samples`` batch; each wraps its device work in
+updates of a ``--samples`` batch (updates per round); each wraps its device work in
 :meth:`swimlane.streams.LaneStream.use` (the lanes' own code), with streams on or off.
 Prints, per mode, the wall time of both threads together and the overlap (the two lanes'
 times alone over their time together: 1.0 = no overlap, 2.0 = perfect), median of
@@ -17,43 +17,28 @@ exist and the two modes run the same code (a smoke test of the bench).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import threading
 import time
 
 import torch
-from learner_step import make_batch  # bench/ is on the path when this file runs
+from learner_step import build_model, make_batch, model_args, sync  # bench/ is on the path when run
 
 from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig
-from dvla.policy import PolicySpec, build_policy
 from dvla.types import Observation
 from swimlane.streams import LaneStream
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="tiny", choices=["tiny", "0.5b", "7b"])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--samples", type=int, default=64, help="decisions per learner update")
+    ap = model_args(__doc__)
     ap.add_argument("--infer-batch", type=int, default=64, help="observations per forward pass")
     ap.add_argument("--infer", type=int, default=20, help="forward passes per round")
-    ap.add_argument("--updates", type=int, default=3, help="learner updates per round")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--image", type=int, default=224)
     args = ap.parse_args()
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    spec = PolicySpec((3, args.image, args.image), 8, 7, 1)
-    options = {"size": args.size, "n_bins": 256, **({"vision": {"image_size": args.image}} if args.size == "tiny" else {})}
-    policy = build_policy("token_vla", spec, options).to(device).eval()
+    policy = build_model(args)
     replica = copy.deepcopy(policy).requires_grad_(False)
     batch = make_batch(policy, args.samples, args.image, device)
     g = torch.Generator().manual_seed(3)

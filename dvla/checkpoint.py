@@ -41,13 +41,7 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from dvla.atomic_io import (
-    exchange_paths,
-    fsync_dir,
-    save_safetensors,
-    sha256_file,
-    write_safetensors,
-)
+from dvla.atomic_io import exchange_paths, fsync_dir, save_safetensors, sha256_file, write_safetensors
 from dvla.sharding import full_state_dict
 
 log = logging.getLogger("dvla.checkpoint")

@@ -105,11 +105,11 @@ def format_memory(reports: list[PlanReport], trainable: float, kl: bool, publish
     rows = []
     for r in reports:
         p, colocated = r.params, r.colocate and r.rollout == r.ranks
-        today = rank_memory(p, rolls_out=colocated, trainable=trainable, kl=kl)
+        whole = rank_memory(p, rolls_out=colocated, trainable=trainable, kl=kl)
         sharded = rank_memory(p, learners=r.learners, sharded=True, rolls_out=colocated, trainable=trainable, kl=kl,
                               publish_bytes=publish_bytes)
         rollout = rank_memory(p, learns=False, rolls_out=True, publish_bytes=publish_bytes)
-        rows.append([str(r.nodes), str(r.learners), _fmt_bytes(today.total), _fmt_bytes(sharded.total),
+        rows.append([str(r.nodes), str(r.learners), _fmt_bytes(whole.total), _fmt_bytes(sharded.total),
                      _fmt_bytes(rank_memory(p, learns=False, rolls_out=True).total), _fmt_bytes(rollout.total),
                      _fmt_bytes(4 * trainable * p), _fmt_bytes(publish_bytes * trainable * p)])
     lines = [f"memory per rank (model only: weights, gradients, Adam, snapshot, replicas{', reference' if kl else ''}; "

@@ -280,19 +280,7 @@ class WeightBroadcaster:
         if into is None:
             self._check_aliasing()
         flats = into if into is not None else [b.flat for b in self.buckets]
-        carried = self._carried()
-        self.frozen_sent = True
-        self.last_version_bytes = sum(flats[i].numel() * flats[i].element_size() for i in carried)
-        pending = []
-        for flat in (flats[i] for i in carried):
-            if not self._send_stages:  # a leaf: post every receive at once, then wait
-                pending.append(self._recv(flat, async_op=True))
-                continue
-            self._recv(flat)
-            # A node leader forwards this bucket to its host while it receives the next.
-            pending += [self._send(st, flat, async_op=True) for st in self._send_stages]
-        for work in pending:
-            work.wait()
+        self._take(lambda n, i: (i, flats[i]))  # every bucket a place of its own
         if into is None:
             self.version = version
 
@@ -302,31 +290,43 @@ class WeightBroadcaster:
         out): every bucket lands in one of two scratch buffers per dtype, at most a bucket
         each, and is passed on to this rank's host when it leads one. The broadcaster may be
         built on a meta-device module: no copy of the model exists here."""
+        if not hasattr(self, "_scratch"):  # made once: the largest bucket of each dtype, twice
+            longest: dict[torch.dtype, int] = {}
+            for b in self.buckets:
+                longest[b.flat.dtype] = max(longest.get(b.flat.dtype, 0), b.flat.numel())
+            self._scratch = {dt: [torch.empty(n, dtype=dt, device=self.device) for _ in range(2)]
+                             for dt, n in longest.items()}
+        scratch = self._scratch
+
+        def place(n: int, i: int) -> tuple:
+            flat = self.buckets[i].flat
+            return (flat.dtype, n % 2), scratch[flat.dtype][n % 2][: flat.numel()]
+
+        self._take(place)
+        self.version = version
+
+    def _take(self, place) -> None:
+        """Receive the buckets this version carries, the ``n``-th (bucket ``i``) into
+        ``place(n, i) -> (key, tensor)``; a node leader forwards each to its host while it
+        receives the next. A place is reused (same key) only once the collectives on it are
+        done; a leaf posts its receives at once and waits at the end."""
         carried = self._carried()
         self.frozen_sent = True
         self.last_version_bytes = sum(self.buckets[i].flat.numel() * self.buckets[i].flat.element_size()
                                       for i in carried)
-        longest: dict[torch.dtype, int] = {}
-        for i in carried:
-            flat = self.buckets[i].flat
-            longest[flat.dtype] = max(longest.get(flat.dtype, 0), flat.numel())
-        scratch = {dt: [torch.empty(n, dtype=dt, device=self.device) for _ in range(2)] for dt, n in longest.items()}
-        busy: dict[tuple[torch.dtype, int], list] = {}  # a scratch buffer's collectives in flight
+        busy: dict = {}  # place -> its collectives in flight
         for n, i in enumerate(carried):
-            flat = self.buckets[i].flat
-            slot = (flat.dtype, n % 2)
-            for work in busy.pop(slot, []):  # the buffer is free once its last bucket moved on
+            key, flat = place(n, i)
+            for work in busy.pop(key, []):
                 work.wait()
-            buf = scratch[flat.dtype][n % 2][: flat.numel()]
             if not self._send_stages:
-                busy[slot] = [self._recv(buf, async_op=True)]
+                busy[key] = [self._recv(flat, async_op=True)]
                 continue
-            self._recv(buf)
-            busy[slot] = [self._send(st, buf, async_op=True) for st in self._send_stages]
+            self._recv(flat)
+            busy[key] = [self._send(st, flat, async_op=True) for st in self._send_stages]
         for works in busy.values():
             for work in works:
                 work.wait()
-        self.version = version
 
     @torch.no_grad()
     def load_flat(self, flats: list[Tensor], version: int) -> None:

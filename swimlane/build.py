@@ -205,8 +205,8 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
 def prepare_learner(cfg: JobConfig, algo, groups: Groups, memory: MemoryManager | None) -> None:
     """What a learner becomes once its starting state is agreed and its replicas are copied:
     activation checkpointing (``algo.activation_checkpointing``), then FSDP2 shards
-    (``algo.shard``; ``auto``: with several learners) with the moments' shards adopted by the persistent pool (FSDP keeps the
-    weights')."""
+    (``algo.shard``; ``auto``: with several learners), the moments' shards adopted by the
+    persistent pool (FSDP keeps the weights')."""
     if cfg.algo.activation_checkpointing:
         try:
             checkpoint_activations(algo.policy)

@@ -185,7 +185,7 @@ class Swimlane(RankLanes):
             ok = "gradient" not in self.lanes_left_running
             if self.cfg.sharded_learners:
                 ok = ok and not self.errors and not self.stop_event.is_set()
-            self._whole = (full_state_dict(self.policy) if ok else None)
+            self._whole = full_state_dict(self.policy) if ok else None
         return self._whole
 
     def _finish(self, error: str | None = None) -> dict[str, Any]:

@@ -298,13 +298,15 @@ class Algorithm(ABC):
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm, foreach=True)
         return norm
 
+    def _total(self, mask: Tensor | None) -> float | None:
+        """What a micro-batch's terms divide by: the minibatch's samples, or its counted
+        entries with a mask (None: one pass over the whole minibatch, its own count)."""
+        return None if self._totals is None else self._totals[1 if mask is not None else 0]
+
     def mean(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """A loss term's mean over the current minibatch (samples, or the counted entries of
         ``mask``), summed over its micro-batches: each contributes its share."""
-        if self._totals is None:  # one pass over the whole minibatch
-            return masked_mean(x, mask)
-        n, counted = self._totals
-        return masked_mean(x, mask, counted if mask is not None else n)
+        return masked_mean(x, mask, self._total(mask))
 
     def _autocast(self):
         """bf16 autocast when ``algo.precision=bf16``. A sharded learner's parameters are
@@ -338,7 +340,7 @@ class Algorithm(ABC):
         obs = obs_of(mb)
         out = self.policy.evaluate(obs, mb["actions"], mb["action_valid"], self.cfg.ratio, extras_of(mb))
         mask = self._mask(mb, out.log_probs)
-        total = None if self._totals is None else self._totals[1 if mask is not None else 0]
+        total = self._total(mask)
         if "prox_alpha" in mb:  # off-policy, proximal log-probs interpolated (algo.proximal=loglinear)
             behav = mb["behav_logp"]
             alpha = mb["prox_alpha"].reshape(-1, *([1] * (behav.dim() - 1)))

@@ -96,7 +96,7 @@ class FastReachEnv(GoalEnv):
         self.pos = torch.zeros(b, 2, device=self.device)
         self.targets = torch.zeros(b, self.n_targets, 2, device=self.device)
         self.goal_idx = torch.zeros(b, dtype=torch.long, device=self.device)
-        self.slowness = torch.ones(b, device=self.device)  # options.long_tail: each episode's
+        self.slowness = torch.ones(b, device=self.device)  # each episode's (options.long_tail; 1: as usual)
 
     def _reset_task(self, group_size: int) -> None:
         g = self.n_envs // group_size
@@ -117,8 +117,7 @@ class FastReachEnv(GoalEnv):
         return self.targets[torch.arange(self.n_envs, device=self.device), self.goal_idx]
 
     def _apply(self, action: Tensor) -> None:
-        step = self.max_delta * action if self.long_tail <= 0 else self.max_delta * action / self.slowness[:, None]
-        self.pos = (self.pos + step).clamp(-1.0, 1.0)
+        self.pos = (self.pos + self.max_delta * action / self.slowness[:, None]).clamp(-1.0, 1.0)
 
     def _distance(self) -> Tensor:
         return (self.pos - self.goal).norm(dim=-1)
