@@ -151,3 +151,26 @@ def test_the_default_job_learns_without_its_camera(tmp_path):
     success = [r["success_rate"] for r in rows]
     first, last = sum(success[:5]) / 5, sum(success[-5:]) / 5
     assert first <= 0.2 and last >= 0.5, (first, last, success)
+
+
+@pytest.mark.parametrize("which", ["reach_env", "lift_env"])
+def test_single_envs_restart_while_the_others_go_on(which, request):
+    """Per-env reset (envs_idx): the restarted envs are back home with a new goal and
+    object, the others keep their state."""
+    env = request.getfixturevalue(which)
+    n = env.n_envs
+    env.reset(1, independent=True)
+    for _ in range(2):
+        env.step(scripted(env, gain=0.5))
+    q_before, goal_before = env.robot.get_dofs_position().clone(), env.goal.clone()
+    home = env._home
+    assert not torch.allclose(q_before[0, :7], home[:7], atol=1e-2)  # it moved
+    env._reset_envs(torch.tensor([0]), 1)
+    q = env.robot.get_dofs_position()
+    torch.testing.assert_close(q[0], home, atol=1e-4, rtol=0)
+    torch.testing.assert_close(q[1:], q_before[1:])
+    torch.testing.assert_close(env.goal[1:], goal_before[1:])
+    assert not torch.equal(env.goal[0], goal_before[0])
+    torch.testing.assert_close(env.obj.get_pos()[0], env.goal[0], atol=1e-4, rtol=0)
+    assert env.ee_target.shape == (n, 3)
+    env.reset()

@@ -6,6 +6,15 @@ an env terminates, further steps report zero reward and ``done`` stays set, so a
 rollout of fixed length simply masks the tail. This is what GRPO needs (groups of
 episodes from identical initial states) and PPO works on it unchanged.
 
+``reset(group_size, independent=True)`` instead puts every env on its own clock: ``step``
+ends an episode at ``cfg.episode_len`` decisions (truncated) and starts the next one at
+once, inside the same step, for each block of ``group_size`` envs whose episodes have all
+ended (a GRPO group's episodes share an initial state, so the group restarts together; a
+member that ended early waits, latched, for the others). The step's ``reset`` flags say
+which envs started anew; their row of ``obs`` is the new episode's first observation, and
+``final_obs`` (when asked for) the observation each had before its reset. Subclasses reset
+single envs in :meth:`BatchedEnv._reset_envs`.
+
 One policy decision is an action chunk ``(B, K, D)``: ``step`` executes the K actions
 in order and renders the observation once, after the last one. Subclasses implement
 the per-action hooks; the chunk loop, done latching and reward bookkeeping live here.
@@ -44,6 +53,8 @@ class BatchedEnv(ABC):
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._done = torch.zeros(self.n_envs, dtype=torch.bool, device=self.device)
         self._success = torch.zeros(self.n_envs, dtype=torch.bool, device=self.device)
+        self._t = torch.zeros(self.n_envs, dtype=torch.long, device=self.device)  # decisions of each episode
+        self._independent: tuple[int, bool] | None = None  # (group_size, final_obs) when on its own clock
 
     def _options(self, defaults: dict) -> dict:
         """``cfg.options`` over ``defaults``; an unknown key is a ConfigError naming the allowed ones."""
@@ -73,6 +84,18 @@ class BatchedEnv(ABC):
         """Put every env at the start of a new episode; consecutive blocks of
         ``group_size`` envs get an identical initial state."""
 
+    @property
+    def resets_single_envs(self) -> bool:
+        """Whether the env implements :meth:`_reset_envs` (and so runs on its own clock)."""
+        return type(self)._reset_envs is not BatchedEnv._reset_envs
+
+    def _reset_envs(self, envs: Tensor, group_size: int) -> None:
+        """Put the envs ``envs`` (sorted indices, whole consecutive blocks of ``group_size``)
+        at the start of a new episode, each block with one initial state; the others go on
+        untouched. Needed for ``reset(independent=True)``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reset single envs, which "
+                                  f"swimlane.independent_envs needs")
+
     @abstractmethod
     def _step_action(self, action: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Apply one action ``(B, D)``; return ``(reward, terminated, truncated, success)``."""
@@ -85,11 +108,20 @@ class BatchedEnv(ABC):
         pass
 
     # -- public API -------------------------------------------------------------------------
-    def reset(self, group_size: int = 1) -> Observation:
+    def reset(self, group_size: int = 1, *, independent: bool = False, final_obs: bool = False) -> Observation:
+        """Start a new episode in every env (blocks of ``group_size`` alike). ``independent``:
+        from now on each block restarts on its own as soon as its episodes have ended (see
+        the module's docstring); ``final_obs``: its steps then also return the observations
+        the restarted envs had before their reset (to bootstrap a value from)."""
         if self.n_envs % group_size != 0:
             raise ValueError(f"n_envs={self.n_envs} is not a multiple of group_size={group_size}")
+        if independent and not self.resets_single_envs:
+            raise ConfigError(f"swimlane.independent_envs: env {self.cfg.name!r} ({type(self).__name__}) cannot "
+                              f"reset single envs")
         self._done.zero_()
         self._success.zero_()
+        self._t.zero_()
+        self._independent = (group_size, final_obs) if independent else None
         self._reset(group_size)
         return self._observe()
 
@@ -115,14 +147,51 @@ class BatchedEnv(ABC):
             trunc |= tr & live & ~te
             self._success |= su & live
             self._done |= (te | tr) & live
-        return StepResult(
-            obs=self._observe(),
-            reward=total,
-            terminated=term,
-            truncated=trunc,
-            success=self._success.clone(),
-            executed=executed,
-        )
+        res = StepResult(obs=None, reward=total, terminated=term, truncated=trunc, success=self._success.clone(),
+                         executed=executed)
+        if self._independent is None:
+            res.obs = self._observe()
+            return res
+        return self._restart_ended(res)
+
+    def _restart_ended(self, res: StepResult) -> StepResult:
+        """On its own clock: end episodes at the time limit, restart every block whose
+        episodes have all ended (unless :attr:`hold_restarts`), then observe."""
+        live = res.executed > 0
+        self._t += live
+        limit = live & ~self._done & (self._t >= self.cfg.episode_len)
+        res.truncated |= limit
+        self._done |= limit
+        res.reset = torch.zeros_like(self._done)
+        if not self.hold_restarts:
+            res.final_obs, res.reset = self._restart()
+        res.obs = self._observe()
+        return res
+
+    def _restart(self) -> tuple[Observation | None, Tensor]:
+        """Reset every block whose episodes have all ended; returns the observation before
+        (when asked for at ``reset``) and which envs restarted."""
+        group_size, want_final = self._independent
+        restart = self._done.view(-1, group_size).all(dim=1).repeat_interleave(group_size)
+        final = None
+        if bool(restart.any()):
+            final = self._observe() if want_final else None
+            envs = restart.nonzero().squeeze(1)
+            self._reset_envs(envs, group_size)
+            self._done[envs] = False
+            self._success[envs] = False
+            self._t[envs] = 0
+        return final, restart
+
+    hold_restarts: bool = False
+    """On its own clock: leave ended episodes ended (no restart) while true; see
+    :meth:`restart_ended`."""
+
+    def restart_ended(self) -> tuple[Observation, Tensor]:
+        """Restart every block whose episodes have all ended (after :attr:`hold_restarts`);
+        returns the observation and which envs restarted."""
+        _, restart = self._restart()
+        return self._observe(), restart
 
     @property
     def done(self) -> Tensor:
@@ -140,8 +209,20 @@ class GoalEnv(BatchedEnv, ABC):
         self._reset_task(group_size)
         self._dist = self._distance()
 
+    @property
+    def resets_single_envs(self) -> bool:
+        return type(self)._reset_task_envs is not GoalEnv._reset_task_envs
+
+    def _reset_envs(self, envs: Tensor, group_size: int) -> None:
+        self._reset_task_envs(envs, group_size)
+        self._dist[envs] = self._distance()[envs]
+
     @abstractmethod
     def _reset_task(self, group_size: int) -> None: ...
+
+    def _reset_task_envs(self, envs: Tensor, group_size: int) -> None:
+        """:meth:`_reset_task` for the envs ``envs`` only (see :meth:`BatchedEnv._reset_envs`)."""
+        BatchedEnv._reset_envs(self, envs, group_size)
 
     @abstractmethod
     def _apply(self, action: Tensor) -> None:

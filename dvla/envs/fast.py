@@ -98,19 +98,25 @@ class FastReachEnv(GoalEnv):
         self.goal_idx = torch.zeros(b, dtype=torch.long, device=self.device)
         self.slowness = torch.ones(b, device=self.device)  # each episode's (options.long_tail; 1: as usual)
 
-    def _reset_task(self, group_size: int) -> None:
-        g = self.n_envs // group_size
+    def _draw(self, g: int) -> tuple[Tensor, ...]:
+        """Initial effector positions, targets, goal indices and slowness of ``g`` episodes."""
         gen = self.generator
         pos = torch.rand(g, 2, generator=gen) * 1.6 - 0.8
         targets = torch.rand(g, self.n_targets, 2, generator=gen) * 1.6 - 0.8
         goal = torch.randint(0, self.n_targets, (g,), generator=gen)
-        self.pos = self.group_repeat(pos, group_size).to(self.device)
-        self.targets = self.group_repeat(targets, group_size).to(self.device)
-        self.goal_idx = self.group_repeat(goal, group_size).to(self.device)
+        slow = torch.ones(g)
         if self.long_tail > 0:  # Pareto(A) by inversion, drawn after the task (the default draws nothing)
             u = torch.rand(g, generator=gen)
             slow = (1.0 - u).pow(-1.0 / self.long_tail).clamp(max=self.long_tail_cap)
-            self.slowness = self.group_repeat(slow, group_size).to(self.device)
+        return pos, targets, goal, slow
+
+    def _reset_task(self, group_size: int) -> None:
+        self._reset_task_envs(torch.arange(self.n_envs, device=self.device), group_size)
+
+    def _reset_task_envs(self, envs: Tensor, group_size: int) -> None:
+        drawn = [self.group_repeat(x, group_size).to(self.device) for x in self._draw(len(envs) // group_size)]
+        for name, x in zip(("pos", "targets", "goal_idx", "slowness"), drawn):
+            getattr(self, name)[envs] = x
 
     @property
     def goal(self) -> Tensor:

@@ -209,7 +209,8 @@ class GenesisFrankaEnv(GoalEnv):
     def _sample_goal(self, g: int) -> Tensor:
         raise NotImplementedError
 
-    def _place_object(self) -> None:
+    def _place_object(self, envs: Tensor | None = None) -> None:
+        """Put the task's object at the goal, in every env or in ``envs``."""
         raise NotImplementedError
 
     # -- GoalEnv hooks ----------------------------------------------------------------------
@@ -222,6 +223,15 @@ class GenesisFrankaEnv(GoalEnv):
         self._place_object()
         self.ee_target = self.tip_pos()
         self._gripper = torch.full((self.n_envs,), 0.04, device=self.device)
+
+    def _reset_task_envs(self, envs: Tensor, group_size: int) -> None:
+        self.goal[envs] = self.group_repeat(self._sample_goal(len(envs) // group_size), group_size).to(self.device)
+        q = self._home.repeat(len(envs), 1)
+        self.robot.set_dofs_position(q, envs_idx=envs, zero_velocity=True)
+        self.robot.control_dofs_position(q, envs_idx=envs)
+        self._place_object(envs)
+        self.ee_target[envs] = self.tip_pos()[envs]
+        self._gripper[envs] = 0.04
 
     def _apply(self, action: Tensor) -> None:
         lo = torch.tensor(self.WORKSPACE_LO, device=self.device)
@@ -280,8 +290,8 @@ class GenesisReachEnv(GenesisFrankaEnv):
         hi = torch.tensor([0.65, 0.2, 0.35])
         return lo + torch.rand(g, 3, generator=self.generator) * (hi - lo)
 
-    def _place_object(self) -> None:
-        self.obj.set_pos(self.goal)
+    def _place_object(self, envs: Tensor | None = None) -> None:
+        self.obj.set_pos(self.goal if envs is None else self.goal[envs], envs_idx=envs)
 
     def _distance(self) -> Tensor:
         return (self.tip_pos() - self.goal).norm(dim=-1)
@@ -300,8 +310,8 @@ class GenesisLiftEnv(GenesisFrankaEnv):
         xy = torch.tensor([0.5, -0.15]) + torch.rand(g, 2, generator=self.generator) * torch.tensor([0.2, 0.3])
         return torch.cat([xy, torch.full((g, 1), 0.02)], dim=-1)
 
-    def _place_object(self) -> None:
-        self.obj.set_pos(self.goal)
+    def _place_object(self, envs: Tensor | None = None) -> None:
+        self.obj.set_pos(self.goal if envs is None else self.goal[envs], envs_idx=envs)
         quat = torch.tensor([[1.0, 0.0, 0.0, 0.0]], device=self.device).repeat(self.n_envs, 1)
         self.obj.set_quat(quat)
         self.obj.zero_all_dofs_velocity()

@@ -124,6 +124,16 @@ class GymVectorEnv(BatchedEnv):
         obs, _ = self.vec.reset(seed=seeds)
         self._last_obs = obs
 
+    def _reset_envs(self, envs: Tensor, group_size: int) -> None:
+        base = self._seed * 1_000_003 + self._episode * self.n_envs
+        self._episode += 1
+        seeds: list[int | None] = [None] * self.n_envs
+        mask = np.zeros(self.n_envs, dtype=bool)
+        for j, i in enumerate(envs.tolist()):
+            seeds[i], mask[i] = base + j // group_size, True
+        obs, _ = self.vec.reset(seed=seeds, options={"reset_mask": mask})
+        self._last_obs = obs
+
     def _step_action(self, action: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         a = action.detach().cpu().float()
         if self._discrete:
