@@ -59,6 +59,38 @@ class Observation:
         )
 
 
+def cat_observations(obs: list[Observation], empty=None) -> Observation:
+    """One observation batch from several (rows in order). ``empty(shape, dtype)``: where
+    the joined tensors go (a pool lease's, say); default: fresh tensors."""
+    if len(obs) == 1:
+        return obs[0]
+
+    def cat(ts):
+        if empty is None:
+            return torch.cat(ts)
+        return torch.cat(ts, out=empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype))
+
+    def opt(name):
+        ts = [getattr(o, name) for o in obs]
+        return None if any(t is None for t in ts) else cat(ts)
+
+    texts = None if any(o.instruction is None for o in obs) else [t for o in obs for t in o.instruction]
+    return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]), instruction=texts,
+                       instruction_ids=opt("instruction_ids"), instruction_mask=opt("instruction_mask"),
+                       cameras={k: cat([o.cameras[k] for o in obs]) for k in obs[0].cameras})
+
+
+def observation_rows(obs: Observation, rows: Tensor) -> Observation:
+    """The rows ``rows`` (an index tensor) of a batched observation."""
+    def pick(t):
+        return None if t is None else t[rows.to(t.device)]
+
+    texts = None if obs.instruction is None else [obs.instruction[i] for i in rows.tolist()]
+    return Observation(image=pick(obs.image), proprio=pick(obs.proprio), instruction=texts,
+                       instruction_ids=pick(obs.instruction_ids), instruction_mask=pick(obs.instruction_mask),
+                       cameras={k: pick(v) for k, v in obs.cameras.items()})
+
+
 @dataclass
 class StepResult:
     """What ``BatchedEnv.step`` returns. ``obs`` is the observation after the step."""
@@ -69,6 +101,8 @@ class StepResult:
     truncated: Tensor  # (B,) bool: time limit, bootstrap from value
     success: Tensor  # (B,) bool
     executed: Tensor | None = None  # (B,) int64: actions of the chunk applied while the episode ran
+    reset: Tensor | None = None  # (B,) bool: envs on their own clock that started a new episode in this step
+    final_obs: Observation | None = None  # those envs' observations before the reset (when asked for)
 
 
 @dataclass

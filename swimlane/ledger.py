@@ -13,6 +13,10 @@ COUNTERS: dict[str, str] = {
     "chunks_sent": "sampling",
     "env_errors": "sampling",
     "throttle_timeouts": "sampling",
+    # Env steps of the envs taking decisions, and of envs stepped while their episode had
+    # ended (waiting for the rest of their batch, or of their GRPO group).
+    "env_steps_live": "sampling",
+    "env_steps_idle": "sampling",
     "env_steps_sampled": "gradient",
     "chunks_consumed": "gradient",
     "dropped_stale": "gradient",

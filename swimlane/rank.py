@@ -215,7 +215,8 @@ class RankLanes:
                 max_staleness=self.sl.max_staleness, max_env_failures=self.sl.max_env_failures,
                 rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
                 rollout_ranks=len(self.rollout_ranks), extras=self.policy.rollout_extras(),
-                cameras=cameras_of(self.policy), throttle_s=_THROTTLE_S, poll_s=_POLL_S),
+                cameras=cameras_of(self.policy), independent=self.sl.independent_envs, throttle_s=_THROTTLE_S,
+                poll_s=_POLL_S),
         )
 
     def _inference_lane(self) -> None:
@@ -256,7 +257,7 @@ class RankLanes:
             source=self.source, algo=self.algo, generator=self.learn_gen, ledger=self.ledger, tracer=self.tracer,
             cfg=LearnerConfig(need=self._chunks_per_update(), max_staleness=self.sl.max_staleness,
                               iterations=self.iterations, stop_rollouts_before_last=self.sl.mode == "async",
-                              spec=self.chunk_spec,
+                              spec=self.chunk_spec, independent=self.sl.independent_envs,
                               max_bad_updates=self.sl.max_bad_updates, poll_s=_POLL_S),
             version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,

@@ -8,30 +8,12 @@ from typing import Callable
 
 import torch
 
-from dvla.types import Observation
+from dvla.types import cat_observations
 from swimlane.channels import Channel
 from swimlane.lanes.messages import Reply, Request
 from swimlane.streams import LaneStream, tensors_of
 from swimlane.trace import Tracer
 from swimlane.weights import DoubleBufferedWeights
-
-
-def cat_obs(obs: list[Observation], lease=None) -> Observation:
-    """One observation batch from several requests (into ``lease``'s pool when given)."""
-    if len(obs) == 1:
-        return obs[0]
-
-    def cat(ts):
-        if lease is None:
-            return torch.cat(ts)
-        out = lease.empty((sum(t.shape[0] for t in ts), *ts[0].shape[1:]), ts[0].dtype)
-        return torch.cat(ts, out=out)
-
-    texts = None if any(o.instruction is None for o in obs) else [t for o in obs for t in o.instruction]
-    return Observation(image=cat([o.image for o in obs]), proprio=cat([o.proprio for o in obs]), instruction=texts,
-                       instruction_ids=cat([o.instruction_ids for o in obs]),
-                       instruction_mask=cat([o.instruction_mask for o in obs]),
-                       cameras={k: cat([o.cameras[k] for o in obs]) for k in obs[0].cameras})
 
 
 class InferenceLane:
@@ -75,7 +57,7 @@ class InferenceLane:
     def _answer(self, policy, version: int, kind: str, batch: list[Request]) -> None:
         lease = self.pool.lease() if self.pool is not None else None
         with self.stream.use() if self.stream is not None else contextlib.nullcontext():
-            obs = cat_obs([r.obs for r in batch], lease)
+            obs = cat_observations([r.obs for r in batch], lease.empty if lease is not None else None)
             out = policy.act(obs, generator=self.generator) if kind == "act" else policy.value(obs)
         if self.stream is not None:
             self.stream.hand_over(tensors_of(out))

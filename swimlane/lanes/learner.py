@@ -30,8 +30,11 @@ from swimlane.validate import ChunkSpec, check_chunk
 log = logging.getLogger("dvla.swimlane")
 
 
-def env_steps(batch: RolloutBatch) -> int:
-    """Env steps simulated for a chunk: decisions taken x envs (as the sync trainer counts)."""
+def env_steps(batch: RolloutBatch, independent: bool = False) -> int:
+    """Env steps simulated for a chunk: decisions taken x envs (as the sync trainer counts);
+    for envs on their own clock (``independent``), the decisions its episodes took."""
+    if independent:
+        return int(batch.valid.sum())
     return int(batch.valid.any(dim=1).sum()) * batch.num_envs
 
 
@@ -43,6 +46,7 @@ class LearnerConfig:
     stop_rollouts_before_last: bool  # async: nobody consumes what is sampled after the last update's data
     spec: ChunkSpec | None = None  # what a legal chunk looks like (None: no checks)
     max_bad_updates: int = 3  # non-finite updates in a row that stop the run
+    independent: bool = False  # chunks of envs on their own clock (how env steps are counted)
     poll_s: float = 0.05
 
 
@@ -100,7 +104,7 @@ class LearnerLane:
         if self.reject(item):
             return
         batch, _meta, on_done = item
-        steps = env_steps(batch)
+        steps = env_steps(batch, self.cfg.independent)
         self.ledger.add("env_steps_sampled", steps)
         lag = self.version() - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
         if lag > self.cfg.max_staleness:

@@ -7,6 +7,11 @@ while another group simulates; a group starts a new batch of episodes only when 
 weights are fresh enough for the learner to accept its data (:mod:`swimlane.admission`).
 In sync mode the groups run one after the other in rounds, each round on the weights
 learned from the one before.
+
+With ``independent`` (``swimlane.independent_envs``) a group is never reset as a whole
+after its first start: every env restarts on its own and a :class:`dvla.episodes.StreamRecorder`
+fills chunks with ended episodes; a "batch" is then the time until the group's next chunk
+is complete, and the group resumes where it stopped when it starts the next one.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from dvla.episodes import StreamRecorder
 from dvla.rollout import EpisodeRecorder
 from swimlane.admission import Admission
 from swimlane.channels import Channel, Chunk
@@ -50,15 +56,17 @@ class SamplingConfig:
     rollout_ranks: int
     extras: dict = field(default_factory=dict)  # name -> ExtraSpec: what the policy records beside actions
     cameras: dict = field(default_factory=dict)  # name -> (C, H, W): the further cameras the policy reads
+    independent: bool = False  # every env on its own clock (swimlane.independent_envs)
     throttle_s: float = 2.0
     poll_s: float = 0.05
 
 
 @dataclass
 class GroupState:
-    recorder: EpisodeRecorder | None = None
+    recorder: EpisodeRecorder | StreamRecorder | None = None
     lease: Any = None
     chunks: int = 0  # chunks this group has sent
+    draining: bool = False  # independent envs, not admitted: finishing its episodes without new ones
 
 
 class SamplingLane:
@@ -82,6 +90,9 @@ class SamplingLane:
     # -- one group ------------------------------------------------------------------------
     def start(self, g: int) -> None:
         """Reset group ``g`` and ask for its first actions."""
+        if self.cfg.independent:
+            self.resume(g)
+            return
         self.admission.start()
         state, env = self.groups[g], self.envs[g]
         with self.tracer.span("sampling", "reset"):
@@ -101,6 +112,55 @@ class SamplingLane:
             state.recorder.start(obs)
         self.requests.put(Request(g, "act", obs))
 
+    def resume(self, g: int) -> None:
+        """Independent envs: ask for the group's next actions, resetting it the first time
+        (or after a failure)."""
+        state, env, c = self.groups[g], self.envs[g], self.cfg
+        if state.recorder is None:
+            with self.tracer.span("sampling", "reset"):
+                while True:
+                    try:
+                        raw = env.reset(c.group_size, independent=True, final_obs=c.has_value)
+                        break
+                    except Exception as exc:
+                        self.recover(g, exc)
+                lease = None
+                if self.host_pool is not None:  # each chunk's tensors from the transient pool
+                    def lease():
+                        held = self.host_pool.lease()
+                        return held.empty, held.release
+                n_sets = len(self.envs) * c.rollout_ranks  # episode group ids unique across the run
+
+                def group_id(k: int) -> int:
+                    return (k * n_sets + c.rollout_index * len(self.envs) + g)
+
+                state.recorder = StreamRecorder(env.spec, c.n_envs, c.action_chunk, c.episode_len,
+                                                prepare=self.prepare, group_size=c.group_size, has_value=c.has_value,
+                                                lease=lease, extras=c.extras, cameras=c.cameras, group_id=group_id)
+                state.recorder.begin(self.prepare(raw))
+        elif state.draining:  # admitted again: every env starts a new episode
+            state.draining = env.hold_restarts = False
+            state.recorder.restart(*env.restart_ended())
+        self.ask(g)
+
+    def drain(self, g: int) -> None:
+        """Independent envs, not admitted: the group finishes the episodes it runs (no new
+        ones; their chunks leave, the last one part empty) before it waits for weights, so
+        that what it holds does not grow stale while it waits."""
+        state = self.groups[g]
+        if state.recorder is None or state.recorder.drained:
+            return
+        self.parked.remove(g)
+        state.draining = self.envs[g].hold_restarts = True
+        self.ask(g)
+
+    def ask(self, g: int) -> None:
+        """Independent envs: the group's next request (values only, when the episodes it
+        waits for have all ended)."""
+        rec, draining = self.groups[g].recorder, self.groups[g].draining
+        kind = "value" if rec.waiting_for_values or (draining and not rec.live.any()) else "act"
+        self.requests.put(Request(g, kind, rec.request_obs()))
+
     def recover(self, g: int, exc: Exception) -> None:
         """A simulator error in group ``g``: drop its batch of episodes, count it, and reset
         the group, unless it keeps failing (then the run stops with the error)."""
@@ -111,6 +171,8 @@ class SamplingLane:
         state = self.groups[g]
         if state.lease is not None:
             state.lease.release()
+        if isinstance(state.recorder, StreamRecorder):
+            state.recorder.close()
         state.recorder = state.lease = None
         n = self.failures.in_a_row[g]
         if spent:
@@ -121,13 +183,20 @@ class SamplingLane:
     def emit(self, g: int, last_value) -> None:
         """Send group ``g``'s finished batch of episodes to the learner."""
         c, state = self.cfg, self.groups[g]
-        n_groups = c.n_envs // c.group_size  # GRPO groups per batch: ids unique across the run
-        offset = ((state.chunks * c.rollout_ranks + c.rollout_index) * len(self.envs) + g) * n_groups
-        batch = state.recorder.build(torch.arange(c.n_envs) // c.group_size + offset, last_value)
+        if c.independent:
+            self.admission.start()  # admission counts the chunks sent
+            batch, on_done = state.recorder.pop()
+        else:
+            n_groups = c.n_envs // c.group_size  # GRPO groups per batch: ids unique across the run
+            offset = ((state.chunks * c.rollout_ranks + c.rollout_index) * len(self.envs) + g) * n_groups
+            batch = state.recorder.build(torch.arange(c.n_envs) // c.group_size + offset, last_value)
+            live = int(batch.valid.sum())
+            self.ledger.add("env_steps_live", live)
+            self.ledger.add("env_steps_idle", state.recorder.t * c.n_envs - live)
+            on_done = state.lease.release if state.lease is not None else None
+            state.recorder = state.lease = None
         meta = {"rank": c.rank, "group": g, "chunk": state.chunks}
         state.chunks += 1
-        on_done = state.lease.release if state.lease is not None else None
-        state.recorder = state.lease = None
         with self.tracer.span("sampling", "send"):
             if self.sink.put(Chunk(batch, meta, on_done), self.stop):
                 self.ledger.add("chunks_sent")
@@ -135,17 +204,14 @@ class SamplingLane:
     def on_reply(self, reply: Reply) -> bool:
         """Advance the reply's group; True when its batch of episodes is complete."""
         g, state = reply.group, self.groups[reply.group]
+        if self.cfg.independent:
+            return self.on_independent_reply(reply)
         if reply.kind == "value":
             self.emit(g, reply.out)
             return True
-        try:
-            with self.tracer.span("sampling", "sim"):
-                res = self.envs[g].step(reply.out.actions)
-        except Exception as exc:
-            self.recover(g, exc)
-            self.start(g)  # a fresh batch of episodes for this group
+        res = self.simulate(g, reply.out.actions)
+        if res is None:
             return False
-        self.failures.succeeded(g)
         obs = state.recorder.record(reply.out, res, reply.version)
         if not state.recorder.finished:
             self.requests.put(Request(g, "act", obs))
@@ -155,6 +221,42 @@ class SamplingLane:
             return False
         self.emit(g, None)
         return True
+
+    def simulate(self, g: int, actions):
+        """Step group ``g``'s env; None when the simulator failed (the group was reset and
+        asked for its first actions again)."""
+        try:
+            with self.tracer.span("sampling", "sim"):
+                res = self.envs[g].step(actions)
+        except Exception as exc:
+            self.recover(g, exc)
+            self.start(g)  # a fresh batch of episodes for this group
+            return None
+        self.failures.succeeded(g)
+        return res
+
+    def on_independent_reply(self, reply: Reply) -> bool:
+        """:meth:`on_reply` for a group on its own clock: True when it sent a chunk."""
+        g, rec = reply.group, self.groups[reply.group].recorder
+        if reply.kind == "value":
+            rec.fill(reply.out[self.cfg.n_envs:])
+        else:
+            res = self.simulate(g, reply.out.actions[: self.cfg.n_envs])
+            if res is None:
+                return False
+            live, idle = rec.record(reply.out, res, reply.version)
+            self.ledger.add("env_steps_live", live)
+            self.ledger.add("env_steps_idle", idle)
+        if rec.ready:
+            self.emit(g, None)
+            return True
+        if self.groups[g].draining and rec.drained:  # send what it holds, then wait
+            rec.flush()
+            while rec.ready:
+                self.emit(g, None)
+            return True
+        self.ask(g)
+        return False
 
     def next_reply(self) -> Reply | None:
         with self.tracer.span("sampling", "wait"):
@@ -184,6 +286,9 @@ class SamplingLane:
     def start_admitted(self) -> None:
         while self.parked and self.admission.admits(self.weights.latest_version):
             self.start(self.parked.pop(0))
+        if self.cfg.independent:
+            for g in list(self.parked):
+                self.drain(g)
 
     def step(self) -> bool:
         """Async: one unit of work (wait for admission, or handle one reply); False when
