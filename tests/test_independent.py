@@ -190,14 +190,14 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation_and_gae_runs_
 def test_a_run_with_independent_envs_learns_fast_reach(tmp_path, mode):
     lanes = Swimlane(apply_overrides(fast_reach(), [
         "swimlane.independent_envs=true", f"swimlane.mode={mode}", "swimlane.max_staleness=4",
-        "run.iterations=30", "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=2",
+        "run.iterations=40", "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=2",
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     summary = lanes.run()
-    assert summary["version"] == 30 and summary["env_steps_live"] > 0
+    assert summary["version"] == 40 and summary["env_steps_live"] > 0
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     success = [r["success_rate"] for r in rows]
-    first, last = sum(success[:6]) / 6, sum(success[-6:]) / 6
-    assert last > first + 0.15, (first, last)
+    first, last = sum(success[:8]) / 8, sum(success[-8:]) / 8
+    assert last > first + 0.12, (first, last)
 
 
 def test_a_gym_vector_env_restarts_single_envs():

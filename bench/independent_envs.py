@@ -1,0 +1,81 @@
+"""Envs on their own clock (``swimlane.independent_envs``) against batch-synchronous episodes
+on a long-tail workload, one process.
+
+The workload is synthetic: the pure-torch reaching task (``fast_reach``) with
+``options.long_tail`` (a Pareto slowness per episode or GRPO group, so a few episodes take
+many times longer than most) and ``render_cost_ms`` of native CPU work per rendered
+observation, standing in for a simulator's step cost. It is not a real simulator's figure.
+
+Both modes run the same job (async lanes, the same iterations); runs alternate (batch first
+in even pairs, independent first in odd ones). Printed per pair and as medians:
+
+* useful env steps per second: decisions taken by envs whose episode runs
+  (``env_steps_live`` over the run's wall time);
+* the idle share: env steps spent on envs whose episode had ended, waiting for the rest of
+  their batch (or of their GRPO group).
+
+Target (issue #20): independent/batch >= 1.3x useful env steps/s.
+
+    python bench/independent_envs.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+from dvla.config import apply_overrides
+from dvla.presets import fast_reach
+from swimlane import Swimlane
+
+
+def run(out: Path, independent: bool, args) -> dict[str, float]:
+    cfg = apply_overrides(fast_reach(), [
+        f"swimlane.independent_envs={str(independent).lower()}", f"run.iterations={args.iterations}",
+        f"env.options.long_tail={args.long_tail}", f"env.options.render_cost_ms={args.render_cost_ms}",
+        f"env.episode_len={args.episode_len}", f"env.n_envs={args.n_envs}", "env.image_size=16",
+        f"swimlane.max_staleness={args.max_staleness}", "swimlane.env_groups=2", "run.torch_threads=1",
+        "run.progress=false", f"run.out_dir={out}", *args.set])
+    s = Swimlane(cfg).run()
+    live, idle = s.get("env_steps_live", 0), s.get("env_steps_idle", 0)
+    return {"useful_sps": live / s["wall_s"], "idle_share": idle / max(live + idle, 1),
+            "dropped": s.get("dropped_stale", 0)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--long-tail", type=float, default=1.5)
+    p.add_argument("--render-cost-ms", type=float, default=2.0)
+    p.add_argument("--episode-len", type=int, default=24)
+    p.add_argument("--n-envs", type=int, default=32)
+    p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--set", nargs="*", default=[], help="further overrides KEY=VALUE")
+    args = p.parse_args()
+    ratios, rows = [], {False: [], True: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            got = {mode: run(Path(tmp) / f"r{i}_{mode}", mode, args) for mode in order}
+            for mode in order:
+                rows[mode].append(got[mode])
+            ratio = got[True]["useful_sps"] / got[False]["useful_sps"]
+            ratios.append(ratio)
+            print(f"pair {i}: batch {got[False]['useful_sps']:.0f} useful steps/s (idle "
+                  f"{got[False]['idle_share']:.0%}), independent {got[True]['useful_sps']:.0f} (idle "
+                  f"{got[True]['idle_share']:.0%}, {got[True]['dropped']} stale chunks dropped): {ratio:.2f}x",
+                  flush=True)
+
+    def med(mode, key):
+        return statistics.median(r[key] for r in rows[mode])
+
+    print(f"median: batch {med(False, 'useful_sps'):.0f} useful steps/s, idle {med(False, 'idle_share'):.0%}; "
+          f"independent {med(True, 'useful_sps'):.0f}, idle {med(True, 'idle_share'):.0%}; "
+          f"ratio {statistics.median(ratios):.2f}x (target >= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()
