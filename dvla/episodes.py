@@ -229,11 +229,13 @@ class StreamRecorder:
 
     def flush(self) -> None:
         """Once :attr:`drained`: close the chunk being filled as it is, its columns never
-        handed out left empty (masked), so that every chunk can leave."""
+        handed out left empty (masked, in a group id of their own: -1), so that every chunk
+        can leave."""
         if not self.drained:
             raise RuntimeError("flush needs every episode ended and every bootstrap value written")
         if self.chunks:
             last = self.chunks[-1]
+            last.t["group_ids"][last.assigned:] = -1
             last.ended += self.b - last.assigned
             last.assigned = self.b
 

@@ -124,6 +124,19 @@ def test_grpo_chunks_hold_whole_groups_from_one_initial_state_and_lose_no_episod
     assert len(set(ids)) == len(ids) // 4  # no group sent twice
     open_cols = sum(c.ended for c in rec.chunks)
     assert ended == 8 * len(chunks) + open_cols  # every ended episode is in a chunk, once
+    # held restarts drain the group; the part-filled chunk leaves with empty columns apart
+    env.hold_restarts = True
+    gen = torch.Generator().manual_seed(1)
+    while not rec.drained:
+        out = random_out(rec.request_obs(), gen)
+        rec.record(out, env.step(out.actions[:8]), version=0)
+    rec.flush()
+    rest = []
+    while rec.ready:
+        rest.append(rec.pop()[0])
+    assert not rec.chunks and rest
+    empty = ~rest[-1].valid.any(0)
+    assert bool((rest[-1].group_ids[empty] == -1).all()) and bool((rest[-1].group_ids[~empty] >= 100).all())
 
 
 def test_a_truncated_episode_bootstraps_from_its_final_observation_and_gae_runs_per_column():
