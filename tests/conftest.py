@@ -22,6 +22,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _threads():
+    """A run with ``run.torch_threads`` sets the process's thread count; the next test starts
+    from the default again (reductions, hence pinned numbers, depend on it)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def every_dtype_tensors() -> dict[str, torch.Tensor]:
     """One tensor of each dtype the data plane carries, plus an empty, a 0-d and a
