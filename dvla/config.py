@@ -281,10 +281,11 @@ class SwimlaneConfig:
     """Every env on its own clock: an env starts its next episode as soon as the last one
     ends (a GRPO group once all its episodes have), and a chunk leaves once it holds
     ``env.n_envs`` ended episodes, instead of every env waiting for the slowest episode of
-    its batch. A truncated episode bootstraps from the value of its last observation.
-    Episodes then span weights versions (staleness per step), so it needs
-    ``max_staleness >= 1``. False: episodes of a batch start together (sync mode's bit-exact
-    reference)."""
+    its batch. A truncated episode bootstraps from the value of its last observation. In
+    async mode, admission holds new episodes (not whole groups) while they would reach the
+    learner too stale. An episode may start while the chunk before its own still fills, so
+    it needs ``max_staleness >= 2``. False: episodes of a batch start together (sync mode's
+    bit-exact reference)."""
     chunks_per_update: int = 1
     """Chunks (one env group's batch of episodes each) per learner update; ``sync`` mode
     uses one chunk from every rollout group instead."""
@@ -335,9 +336,9 @@ class SwimlaneConfig:
             errs.append(("stall_timeout_s", f"must be >= 0, got {self.stall_timeout_s}"))
         if self.max_staleness < 0:
             errs.append(("max_staleness", f"must be >= 0, got {self.max_staleness}"))
-        elif self.independent_envs and self.max_staleness < 1:
-            errs.append(("max_staleness", "must be >= 1 with independent_envs (episodes go on across "
-                                          "weights versions)"))
+        elif self.independent_envs and self.max_staleness < 2:
+            errs.append(("max_staleness", "must be >= 2 with independent_envs (an episode may start while the "
+                                          f"chunk before its own still fills), got {self.max_staleness}"))
         if not 0 <= self.gradient_nice <= 19:
             errs.append(("gradient_nice", f"must be in [0, 19], got {self.gradient_nice}"))
         if self.driver == "serial" and self.mode != "sync":

@@ -223,6 +223,12 @@ class StreamRecorder:
 
     # -- chunks out ----------------------------------------------------------------------
     @property
+    def filling_ahead(self) -> int:
+        """Chunks that leave before the one a new episode would join."""
+        n = len(self.chunks)
+        return n - 1 if n and self.chunks[-1].assigned < self.b else n
+
+    @property
     def drained(self) -> bool:
         """No episode running and no bootstrap value owed (restarts were held)."""
         return not bool(self.live.any()) and not self.pending

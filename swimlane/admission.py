@@ -21,12 +21,13 @@ class Admission:
         self.max_staleness = max_staleness
         self.started = 0
 
-    def needed(self) -> int:
-        """The oldest weights version the next batch of episodes may start with."""
-        return self.base + int(self.started / self.per_version) - self.max_staleness
+    def needed(self, ahead: int = 0) -> int:
+        """The oldest weights version the next batch of episodes may start with (``ahead``:
+        the batch after that many more, for episodes that join a chunk still behind others)."""
+        return self.base + int((self.started + ahead) / self.per_version) - self.max_staleness
 
-    def admits(self, latest_version: int) -> bool:
-        return latest_version >= self.needed()
+    def admits(self, latest_version: int, ahead: int = 0) -> bool:
+        return latest_version >= self.needed(ahead)
 
     def start(self) -> None:
         """A batch of episodes started (admitted, or forced after a throttle timeout)."""

@@ -78,7 +78,7 @@ def test_an_env_without_single_env_resets_says_so():
     with pytest.raises(ConfigError, match="cannot reset single envs"):
         env.reset(independent=True)
     with pytest.raises(ConfigError, match="independent_envs"):
-        apply_overrides(fast_reach(), ["swimlane.independent_envs=true", "swimlane.max_staleness=0"]).validate()
+        apply_overrides(fast_reach(), ["swimlane.independent_envs=true", "swimlane.max_staleness=1"]).validate()
 
 
 def _stream(env, group_size, steps, has_value=False, seed=0):
@@ -202,11 +202,12 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation_and_gae_runs_
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_run_with_independent_envs_learns_fast_reach(tmp_path, mode):
     lanes = Swimlane(apply_overrides(fast_reach(), [
-        "swimlane.independent_envs=true", f"swimlane.mode={mode}", "swimlane.max_staleness=4",
+        "swimlane.independent_envs=true", f"swimlane.mode={mode}", "swimlane.max_staleness=2",
         "run.iterations=40", "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=2",
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     summary = lanes.run()
     assert summary["version"] == 40 and summary["env_steps_live"] > 0
+    assert summary.get("dropped_stale", 0) <= summary["chunks_sent"] // 5  # admission holds new episodes
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     success = [r["success_rate"] for r in rows]
     first, last = sum(success[:8]) / 8, sum(success[-8:]) / 8

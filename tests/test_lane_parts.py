@@ -78,6 +78,8 @@ def test_admission_waits_for_weights_the_learner_will_accept():
         adm.start()
     assert needs == [-1, -1, 0, 0, 1, 1]
     assert adm.needed() == 2 and not adm.admits(1) and adm.admits(2)  # 6 batches: version 3, minus 1
+    # an episode joining a chunk that leaves after two more (independent envs) needs newer weights
+    assert adm.needed(ahead=2) == 3 and not adm.admits(2, ahead=2) and adm.admits(3, ahead=2)
     two = Admission(base=0, chunks_per_update=1, senders=2, max_staleness=0)  # each batch: 2 versions
     two.start()
     assert two.needed() == 2

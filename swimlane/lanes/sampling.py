@@ -9,9 +9,8 @@ In sync mode the groups run one after the other in rounds, each round on the wei
 learned from the one before.
 
 With ``independent`` (``swimlane.independent_envs``) a group is never reset as a whole
-after its first start: every env restarts on its own and a :class:`dvla.episodes.StreamRecorder`
-fills chunks with ended episodes; a "batch" is then the time until the group's next chunk
-is complete, and the group resumes where it stopped when it starts the next one.
+after its first start: every env restarts on its own, and :mod:`swimlane.lanes.own_clock`
+steps it.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import torch
 
 from dvla.episodes import StreamRecorder
 from dvla.rollout import EpisodeRecorder
+from swimlane.lanes.own_clock import OwnClock
 from swimlane.admission import Admission
 from swimlane.channels import Channel, Chunk
 from swimlane.health import FailureBudget
@@ -66,7 +66,6 @@ class GroupState:
     recorder: EpisodeRecorder | StreamRecorder | None = None
     lease: Any = None
     chunks: int = 0  # chunks this group has sent
-    draining: bool = False  # independent envs, not admitted: finishing its episodes without new ones
 
 
 class SamplingLane:
@@ -83,6 +82,7 @@ class SamplingLane:
         self.failures = FailureBudget(len(envs), cfg.max_env_failures)
         self.admission: Admission | None = None
         self.parked: list[int] = []  # async: groups waiting to start a new batch of episodes
+        self.own_clock = OwnClock(self)  # the groups' steps with independent envs
 
     def stopping(self) -> bool:
         return self.stop.is_set() or self.halt.is_set()
@@ -91,7 +91,7 @@ class SamplingLane:
     def start(self, g: int) -> None:
         """Reset group ``g`` and ask for its first actions."""
         if self.cfg.independent:
-            self.resume(g)
+            self.own_clock.resume(g)
             return
         self.admission.start()
         state, env = self.groups[g], self.envs[g]
@@ -111,55 +111,6 @@ class SamplingLane:
                                              extras=self.cfg.extras, cameras=self.cfg.cameras)
             state.recorder.start(obs)
         self.requests.put(Request(g, "act", obs))
-
-    def resume(self, g: int) -> None:
-        """Independent envs: ask for the group's next actions, resetting it the first time
-        (or after a failure)."""
-        state, env, c = self.groups[g], self.envs[g], self.cfg
-        if state.recorder is None:
-            with self.tracer.span("sampling", "reset"):
-                while True:
-                    try:
-                        raw = env.reset(c.group_size, independent=True, final_obs=c.has_value)
-                        break
-                    except Exception as exc:
-                        self.recover(g, exc)
-                lease = None
-                if self.host_pool is not None:  # each chunk's tensors from the transient pool
-                    def lease():
-                        held = self.host_pool.lease()
-                        return held.empty, held.release
-                n_sets = len(self.envs) * c.rollout_ranks  # episode group ids unique across the run
-
-                def group_id(k: int) -> int:
-                    return (k * n_sets + c.rollout_index * len(self.envs) + g)
-
-                state.recorder = StreamRecorder(env.spec, c.n_envs, c.action_chunk, c.episode_len,
-                                                prepare=self.prepare, group_size=c.group_size, has_value=c.has_value,
-                                                lease=lease, extras=c.extras, cameras=c.cameras, group_id=group_id)
-                state.recorder.begin(self.prepare(raw))
-        elif state.draining:  # admitted again: every env starts a new episode
-            state.draining = env.hold_restarts = False
-            state.recorder.restart(*env.restart_ended())
-        self.ask(g)
-
-    def drain(self, g: int) -> None:
-        """Independent envs, not admitted: the group finishes the episodes it runs (no new
-        ones; their chunks leave, the last one part empty) before it waits for weights, so
-        that what it holds does not grow stale while it waits."""
-        state = self.groups[g]
-        if state.recorder is None or state.recorder.drained:
-            return
-        self.parked.remove(g)
-        state.draining = self.envs[g].hold_restarts = True
-        self.ask(g)
-
-    def ask(self, g: int) -> None:
-        """Independent envs: the group's next request (values only, when the episodes it
-        waits for have all ended)."""
-        rec, draining = self.groups[g].recorder, self.groups[g].draining
-        kind = "value" if rec.waiting_for_values or (draining and not rec.live.any()) else "act"
-        self.requests.put(Request(g, kind, rec.request_obs()))
 
     def recover(self, g: int, exc: Exception) -> None:
         """A simulator error in group ``g``: drop its batch of episodes, count it, and reset
@@ -205,7 +156,7 @@ class SamplingLane:
         """Advance the reply's group; True when its batch of episodes is complete."""
         g, state = reply.group, self.groups[reply.group]
         if self.cfg.independent:
-            return self.on_independent_reply(reply)
+            return self.own_clock.on_reply(reply)
         if reply.kind == "value":
             self.emit(g, reply.out)
             return True
@@ -235,29 +186,6 @@ class SamplingLane:
         self.failures.succeeded(g)
         return res
 
-    def on_independent_reply(self, reply: Reply) -> bool:
-        """:meth:`on_reply` for a group on its own clock: True when it sent a chunk."""
-        g, rec = reply.group, self.groups[reply.group].recorder
-        if reply.kind == "value":
-            rec.fill(reply.out[self.cfg.n_envs:])
-        else:
-            res = self.simulate(g, reply.out.actions[: self.cfg.n_envs])
-            if res is None:
-                return False
-            live, idle = rec.record(reply.out, res, reply.version)
-            self.ledger.add("env_steps_live", live)
-            self.ledger.add("env_steps_idle", idle)
-        if rec.ready:
-            self.emit(g, None)
-            return True
-        if self.groups[g].draining and rec.drained:  # send what it holds, then wait
-            rec.flush()
-            while rec.ready:
-                self.emit(g, None)
-            return True
-        self.ask(g)
-        return False
-
     def next_reply(self) -> Reply | None:
         with self.tracer.span("sampling", "wait"):
             while not self.stopping():
@@ -286,9 +214,6 @@ class SamplingLane:
     def start_admitted(self) -> None:
         while self.parked and self.admission.admits(self.weights.latest_version):
             self.start(self.parked.pop(0))
-        if self.cfg.independent:
-            for g in list(self.parked):
-                self.drain(g)
 
     def step(self) -> bool:
         """Async: one unit of work (wait for admission, or handle one reply); False when

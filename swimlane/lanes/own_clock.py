@@ -1,0 +1,107 @@
+"""The sampling lane's env groups with every env on its own clock (``swimlane.independent_envs``).
+
+A group is reset once; from then on its env restarts each episode (each GRPO group of
+episodes) as soon as it ends, and a :class:`dvla.episodes.StreamRecorder` fills chunks with
+ended episodes. In sync mode a group's turn in a round lasts until it has sent one chunk;
+the episodes it runs then wait for its next turn.
+
+In async mode a group never waits for a chunk to be admitted. Admission (weights version
+against the chunks sent, :mod:`swimlane.admission`) is asked before every step for the
+chunk that a new episode would join: when that chunk would reach the learner more than
+``max_staleness`` versions after these weights, the env holds its restarts (ended envs
+wait). The episodes that run go on, so what the group holds does not grow stale while it
+waits. Once none runs, the group sends what it has (the last chunk part empty) and parks
+until admitted, then every env starts anew.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from dvla.episodes import StreamRecorder
+from swimlane.lanes.messages import Reply, Request
+
+if TYPE_CHECKING:
+    from swimlane.lanes.sampling import SamplingLane
+
+
+class OwnClock:
+    def __init__(self, lane: SamplingLane):
+        self.lane = lane
+
+    def resume(self, g: int) -> None:
+        """Ask for the group's next actions: after a reset the first time (or after a
+        failure), after restarting every env when it parked drained."""
+        lane, c = self.lane, self.lane.cfg
+        state, env = lane.groups[g], lane.envs[g]
+        if state.recorder is None:
+            with lane.tracer.span("sampling", "reset"):
+                while True:
+                    try:
+                        raw = env.reset(c.group_size, independent=True, final_obs=c.has_value)
+                        break
+                    except Exception as exc:
+                        lane.recover(g, exc)
+                state.recorder = self._recorder(g)
+                state.recorder.begin(lane.prepare(raw))
+        elif env.hold_restarts and state.recorder.drained:
+            env.hold_restarts = False
+            state.recorder.restart(*env.restart_ended())
+        self.ask(g)
+
+    def _recorder(self, g: int) -> StreamRecorder:
+        lane, c = self.lane, self.lane.cfg
+        lease = None
+        if lane.host_pool is not None:  # each chunk's tensors from the transient pool
+            def lease():
+                held = lane.host_pool.lease()
+                return held.empty, held.release
+        n_sets = len(lane.envs) * c.rollout_ranks  # episode group ids unique across the run
+
+        def group_id(k: int) -> int:
+            return k * n_sets + c.rollout_index * len(lane.envs) + g
+
+        return StreamRecorder(lane.envs[g].spec, c.n_envs, c.action_chunk, c.episode_len, prepare=lane.prepare,
+                              group_size=c.group_size, has_value=c.has_value, lease=lease, extras=c.extras,
+                              cameras=c.cameras, group_id=group_id)
+
+    def ask(self, g: int) -> None:
+        """The group's next request: values only when no episode runs and bootstrap values
+        are owed (or the oldest chunk waits for them)."""
+        rec = self.lane.groups[g].recorder
+        kind = "value" if rec.waiting_for_values or not bool(rec.live.any()) else "act"
+        self.lane.requests.put(Request(g, kind, rec.request_obs()))
+
+    def gate(self, g: int) -> None:
+        """Async: hold the env's restarts while new episodes would reach the learner too stale."""
+        lane = self.lane
+        if lane.cfg.mode == "async":
+            ahead = lane.groups[g].recorder.filling_ahead
+            lane.envs[g].hold_restarts = not lane.admission.admits(lane.weights.latest_version, ahead)
+
+    def on_reply(self, reply: Reply) -> bool:
+        """Advance the reply's group; True when it stops for now (sync: it sent its chunk of
+        the round; async: it sent everything and parks until admitted)."""
+        lane, n = self.lane, self.lane.cfg.n_envs
+        g, rec, env = reply.group, lane.groups[reply.group].recorder, lane.envs[reply.group]
+        if reply.kind == "value":
+            rec.fill(reply.out[n:])
+        else:
+            self.gate(g)
+            res = lane.simulate(g, reply.out.actions[:n])
+            if res is None:
+                return False
+            live, idle = rec.record(reply.out, res, reply.version)
+            lane.ledger.add("env_steps_live", live)
+            lane.ledger.add("env_steps_idle", idle)
+        while rec.ready:
+            lane.emit(g, None)
+            if lane.cfg.mode == "sync":
+                return True
+        if env.hold_restarts and rec.drained:  # nothing runs: send what it holds, then wait
+            rec.flush()
+            while rec.ready:
+                lane.emit(g, None)
+            return True
+        self.ask(g)
+        return False
