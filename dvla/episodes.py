@@ -223,10 +223,9 @@ class StreamRecorder:
 
     # -- chunks out ----------------------------------------------------------------------
     @property
-    def filling_ahead(self) -> int:
-        """Chunks that leave before the one a new episode would join."""
-        n = len(self.chunks)
-        return n - 1 if n and self.chunks[-1].assigned < self.b else n
+    def room(self) -> int:
+        """Columns left in the chunk being filled (0: a new episode would open another)."""
+        return self.b - self.chunks[-1].assigned if self.chunks else 0
 
     @property
     def drained(self) -> bool:

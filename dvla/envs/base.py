@@ -172,7 +172,10 @@ class BatchedEnv(ABC):
         """Reset every block whose episodes have all ended; returns the observation before
         (when asked for at ``reset``) and which envs restarted."""
         group_size, want_final = self._independent
-        restart = self._done.view(-1, group_size).all(dim=1).repeat_interleave(group_size)
+        blocks = self._done.view(-1, group_size).all(dim=1)
+        if self.restart_limit is not None:  # the first blocks, up to the limit
+            blocks &= blocks.cumsum(0) <= self.restart_limit // group_size
+        restart = blocks.repeat_interleave(group_size)
         final = None
         if bool(restart.any()):
             final = self._observe() if want_final else None
@@ -186,6 +189,9 @@ class BatchedEnv(ABC):
     hold_restarts: bool = False
     """On its own clock: leave ended episodes ended (no restart) while true; see
     :meth:`restart_ended`."""
+    restart_limit: int | None = None
+    """On its own clock: restart at most this many envs per step (whole blocks, the first
+    ones); None: no limit."""
 
     def restart_ended(self) -> tuple[Observation, Tensor]:
         """Restart every block whose episodes have all ended (after :attr:`hold_restarts`);

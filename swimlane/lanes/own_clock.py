@@ -5,13 +5,13 @@ episodes) as soon as it ends, and a :class:`dvla.episodes.StreamRecorder` fills 
 ended episodes. In sync mode a group's turn in a round lasts until it has sent one chunk;
 the episodes it runs then wait for its next turn.
 
-In async mode a group never waits for a chunk to be admitted. Admission (weights version
-against the chunks sent, :mod:`swimlane.admission`) is asked before every step for the
-chunk that a new episode would join: when that chunk would reach the learner more than
-``max_staleness`` versions after these weights, the env holds its restarts (ended envs
-wait). The episodes that run go on, so what the group holds does not grow stale while it
-waits. Once none runs, the group sends what it has (the last chunk part empty) and parks
-until admitted, then every env starts anew.
+In async mode admission (weights version against the chunks sent, :mod:`swimlane.admission`)
+is asked when a new episode would open a chunk: while that chunk would reach the learner
+more than ``max_staleness`` versions after these weights, the env holds its restarts (ended
+envs wait) and the episodes that run go on, so what the group holds does not grow stale
+while it waits. A chunk being filled always takes new episodes (it was admitted when it
+opened), so chunks leave full. Once no episode runs, the group parks until admitted, then
+every env starts anew. A group fills a bounded number of chunks at once (:attr:`OwnClock.max_open`).
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ if TYPE_CHECKING:
 class OwnClock:
     def __init__(self, lane: SamplingLane):
         self.lane = lane
+        c = lane.cfg
+        self.max_open = 2 if c.mode == "sync" else 1 + c.max_staleness
+        """Chunks a group fills at once. Sync: the oldest (waiting for its slowest episodes)
+        and the next, so that a chunk leaves in its round or the next. Async: one more per
+        version of staleness allowed (admission bounds what they hold); a bound on memory."""
 
     def resume(self, g: int) -> None:
         """Ask for the group's next actions: after a reset the first time (or after a
@@ -45,7 +50,7 @@ class OwnClock:
                 state.recorder = self._recorder(g)
                 state.recorder.begin(lane.prepare(raw))
         elif env.hold_restarts and state.recorder.drained:
-            env.hold_restarts = False
+            env.hold_restarts, env.restart_limit = False, None
             state.recorder.restart(*env.restart_ended())
         self.ask(g)
 
@@ -73,11 +78,19 @@ class OwnClock:
         self.lane.requests.put(Request(g, kind, rec.request_obs()))
 
     def gate(self, g: int) -> None:
-        """Async: hold the env's restarts while new episodes would reach the learner too stale."""
-        lane = self.lane
-        if lane.cfg.mode == "async":
-            ahead = lane.groups[g].recorder.filling_ahead
-            lane.envs[g].hold_restarts = not lane.admission.admits(lane.weights.latest_version, ahead)
+        """Before each step: how many envs whose episode has ended may start another? As many
+        as the chunk being filled has columns left (admitted when it opened), and a chunk
+        more if the group may open one: fewer than :attr:`max_open` open in the group and,
+        in async mode, admission for a chunk that leaves after every chunk open now."""
+        lane, rec, env = self.lane, self.lane.groups[g].recorder, self.lane.envs[g]
+        may_open = len(rec.chunks) < self.max_open and (
+            lane.cfg.mode != "async" or lane.admission.admits(lane.weights.latest_version, ahead=self.open_chunks()))
+        env.restart_limit = rec.room + (rec.b if may_open else 0)
+        env.hold_restarts = env.restart_limit == 0
+
+    def open_chunks(self) -> int:
+        """Chunks being filled in every group: about as many leave before a new one."""
+        return sum(len(s.recorder.chunks) for s in self.lane.groups if isinstance(s.recorder, StreamRecorder))
 
     def on_reply(self, reply: Reply) -> bool:
         """Advance the reply's group; True when it stops for now (sync: it sent its chunk of
