@@ -164,13 +164,14 @@ class BatchedEnv(ABC):
         self._done |= limit
         res.reset = torch.zeros_like(self._done)
         if not self.hold_restarts:
-            res.final_obs, res.reset = self._restart()
+            res.final_obs, res.reset = self._restart(res.truncated)
         res.obs = self._observe()
         return res
 
-    def _restart(self) -> tuple[Observation | None, Tensor]:
+    def _restart(self, truncated: Tensor | None = None) -> tuple[Observation | None, Tensor]:
         """Reset every block whose episodes have all ended; returns the observation before
-        (when asked for at ``reset``) and which envs restarted."""
+        (when asked for at ``reset`` and some env restarting was ``truncated`` in this step:
+        a value bootstraps from it) and which envs restarted."""
         group_size, want_final = self._independent
         blocks = self._done.view(-1, group_size).all(dim=1)
         if self.restart_limit is not None:  # the first blocks, up to the limit
@@ -178,7 +179,8 @@ class BatchedEnv(ABC):
         restart = blocks.repeat_interleave(group_size)
         final = None
         if bool(restart.any()):
-            final = self._observe() if want_final else None
+            if want_final and truncated is not None and bool((restart & truncated).any()):
+                final = self._observe()
             envs = restart.nonzero().squeeze(1)
             self._reset_envs(envs, group_size)
             self._done[envs] = False
