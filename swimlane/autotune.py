@@ -1,0 +1,230 @@
+"""The resource manager's controller: bounded, logged adjustments of a run's knobs from
+stage profiles measured while it runs (issue #20; ``swimlane.autotune``).
+
+A :class:`Profile` is one measuring window: the useful env steps per second and, for the
+reasons it gives, each lane's busy share and the idle env-step share. :class:`Controller`
+climbs the throughput one knob step at a time:
+
+* it tries one move (a knob up or down by its step, within its bounds), trying first the
+  knob the profile points at (:meth:`Controller.suggest`);
+* it keeps a move that raised throughput by more than ``tolerance``, and reverts one that
+  did not, marking it tried;
+* once no untried move is left it has **converged** and stops moving: a stationary workload
+  sees no oscillation;
+* it explores again when throughput drifts from the level it converged at by more than
+  ``shift`` (the workload changed phase).
+
+Every move and revert is a :class:`Decision` with its reason, for the metrics and the
+report. The controller is pure: the caller measures and applies.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Knob:
+    """An integer setting the controller may move, within ``[low, high]``, ``step`` at a time."""
+
+    name: str
+    low: int
+    high: int
+    step: int = 1
+
+    def __post_init__(self):
+        if not self.low <= self.high or self.step < 1:
+            raise ValueError(f"knob {self.name}: needs low <= high and step >= 1, got {self.low}, {self.high}, "
+                             f"{self.step}")
+
+    def clamp(self, v: int) -> int:
+        return max(self.low, min(self.high, v))
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One measuring window of a running job."""
+
+    steps_per_s: float  # useful env steps per second
+    busy: dict[str, float] = field(default_factory=dict)  # lane -> busy share of the window, 0..1
+    idle_env_share: float = 0.0  # env steps of ended episodes waiting, over all env steps
+
+    @property
+    def bottleneck(self) -> str | None:
+        """The busiest lane (None without lane times)."""
+        return max(self.busy, key=self.busy.get) if self.busy else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    window: int
+    knob: str
+    old: int
+    new: int
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"window": self.window, "knob": self.knob, "old": self.old, "new": self.new, "reason": self.reason}
+
+
+class Controller:
+    def __init__(self, knobs: list[Knob], values: dict[str, int], *, tolerance: float = 0.03, shift: float = 0.15,
+                 prefer: dict[str, tuple[str, int]] | None = None):
+        """``values``: the knobs' starting values (clamped to their bounds); ``prefer``:
+        bottleneck lane -> (knob, direction) to try first when that lane is the busiest."""
+        if not knobs:
+            raise ValueError("autotune: no knob to adjust")
+        self.knobs = {k.name: k for k in knobs}
+        self.values = {k.name: k.clamp(int(values.get(k.name, k.low))) for k in knobs}
+        self.tolerance, self.shift, self.prefer = tolerance, shift, prefer or {}
+        self.window = 0
+        self.best: float | None = None  # throughput at the current values
+        self.trial: tuple[str, int, int] | None = None  # (knob, old value, direction) being tried
+        self.tried: set[tuple[str, int]] = set()  # moves from the current values that did not help
+        self.converged = False
+        self.decisions: list[Decision] = []
+
+    def moves(self) -> list[tuple[str, int]]:
+        """Untried moves from the current values that stay within bounds."""
+        out = []
+        for name, knob in self.knobs.items():
+            for d in (1, -1):
+                v = self.values[name] + d * knob.step
+                if knob.low <= v <= knob.high and (name, d) not in self.tried:
+                    out.append((name, d))
+        return out
+
+    def suggest(self, profile: Profile) -> tuple[str, int] | None:
+        """The next move to try: the one the bottleneck points at, else the first untried."""
+        moves = self.moves()
+        if not moves:
+            return None
+        hint = self.prefer.get(profile.bottleneck or "")
+        return hint if hint in moves else moves[0]
+
+    def _decide(self, knob: str, new: int, reason: str) -> Decision:
+        d = Decision(self.window, knob, self.values[knob], new, reason)
+        self.values[knob] = new
+        self.decisions.append(d)
+        return d
+
+    def observe(self, profile: Profile) -> list[Decision]:
+        """Take one window's profile; returns the decisions to apply now (at most one move,
+        possibly after reverting the last trial)."""
+        self.window += 1
+        sps, out = profile.steps_per_s, []
+        if self.trial is not None:  # judge the move tried during this window
+            name, old, d = self.trial
+            self.trial = None
+            gain = sps / self.best - 1.0 if self.best else 0.0
+            if gain > self.tolerance:
+                self.best, self.tried = sps, {(name, -d)}  # kept: going back is known to be worse
+            else:
+                out.append(self._decide(name, old, f"revert: {sps:.0f} steps/s, {gain:+.1%} from {self.best:.0f}"))
+                self.tried.add((name, d))
+        elif self.best is None:
+            self.best = sps
+        elif self.converged:
+            drift = sps / self.best - 1.0
+            if abs(drift) <= self.shift:
+                return out
+            self.converged, self.tried, self.best = False, set(), sps  # a new phase: explore again
+        else:
+            self.best = sps
+        move = self.suggest(profile)
+        if move is None:
+            self.converged = True
+            return out
+        name, d = move
+        old = self.values[name]
+        new = self.knobs[name].clamp(old + d * self.knobs[name].step)
+        why = f"try: {sps:.0f} steps/s"
+        if profile.bottleneck is not None:
+            why += f", {profile.bottleneck} busiest ({profile.busy[profile.bottleneck]:.0%})"
+        out.append(self._decide(name, new, why))
+        self.trial = (name, old, d)
+        return out
+
+
+# -- on a live run ------------------------------------------------------------------------
+IDLE_SPANS = frozenset({"wait", "throttle"})  # trace span kinds that are not work
+
+
+class LaneClock:
+    """Busy seconds per lane from a tracer's spans recorded since the last read."""
+
+    def __init__(self, tracer):
+        self.tracer, self.seen = tracer, 0
+
+    def busy(self) -> dict[str, float]:
+        spans = self.tracer.spans
+        new, self.seen = spans[self.seen:], len(spans)
+        out: dict[str, float] = {}
+        for lane, kind, start, end in new:
+            if kind not in IDLE_SPANS:
+                out[lane] = out.get(lane, 0.0) + end - start
+        return out
+
+
+@dataclass
+class Setting:
+    """A knob and how to read and change it on the running job."""
+
+    knob: Knob
+    get: Callable[[], int]
+    set: Callable[[int], None]
+
+
+class Tuner:
+    """The controller on a live run: every ``window_s`` a :class:`Profile` (useful env steps
+    per second and idle share from the ledger, lane busy shares from the trace), the
+    controller's decisions applied and logged."""
+
+    def __init__(self, settings: list[Setting], *, ledger, tracer, window_s: float, log=None,
+                 prefer: dict[str, tuple[str, int]] | None = None):
+        self.settings = {s.knob.name: s for s in settings}
+        self.controller = Controller([s.knob for s in settings], {s.knob.name: s.get() for s in settings},
+                                     prefer=prefer)
+        for name, s in self.settings.items():  # start from the clamped values
+            if s.get() != self.controller.values[name]:
+                s.set(self.controller.values[name])
+        self.ledger, self.clock, self.window_s, self.log = ledger, LaneClock(tracer), window_s, log
+        self.last = (time.perf_counter(), ledger["env_steps_live"], ledger["env_steps_idle"])
+        self.clock.busy()  # spans before the first window do not count
+
+    def profile(self) -> Profile:
+        now, live, idle = time.perf_counter(), self.ledger["env_steps_live"], self.ledger["env_steps_idle"]
+        t0, live0, idle0 = self.last
+        self.last = (now, live, idle)
+        span = max(now - t0, 1e-9)
+        busy = {lane: s / span for lane, s in self.clock.busy().items()}
+        steps = (live - live0) + (idle - idle0)
+        return Profile(steps_per_s=(live - live0) / span, busy=busy, idle_env_share=(idle - idle0) / max(steps, 1))
+
+    def tick(self) -> list[Decision]:
+        """Measure the window that just ended and apply what the controller decides."""
+        decisions = self.controller.observe(self.profile())
+        for d in decisions:
+            try:
+                self.settings[d.knob].set(d.new)
+            except OSError as exc:  # e.g. raising a thread's priority needs privileges
+                self.settings.pop(d.knob)
+                self.controller.knobs[d.knob] = Knob(d.knob, d.old, d.old)  # fixed from now on
+                self.controller.values[d.knob] = d.old
+                if self.log is not None:
+                    self.log.warning("autotune: cannot set %s to %d (%r); it stays %d", d.knob, d.new, exc, d.old)
+                continue
+            if self.log is not None:
+                self.log.info("autotune: %s %d -> %d (%s)", d.knob, d.old, d.new, d.reason)
+        return decisions
+
+    def maybe_tick(self) -> list[Decision]:
+        """:meth:`tick` once ``window_s`` has passed since the last window began."""
+        return self.tick() if time.perf_counter() - self.last[0] >= self.window_s else []
+
+    def metrics(self) -> dict[str, float]:
+        """The knobs' current values and the decisions so far, for the metrics rows."""
+        return {**{f"autotune_{k}": float(v) for k, v in self.controller.values.items()},
+                "autotune_decisions": float(len(self.controller.decisions))}

@@ -1,0 +1,99 @@
+"""The resource manager's controller on synthetic stage profiles: it converges, holds still
+once converged (no oscillation under noise), respects its bounds, follows the bottleneck
+and explores again when the workload shifts."""
+
+import random
+
+import pytest
+
+from swimlane.autotune import Controller, Knob, Profile
+
+
+def peaked(px, py):
+    def f(v):
+        return 1000.0 / (1 + 0.3 * abs(v["x"] - px) + 0.2 * abs(v["y"] - py))
+    return f
+
+
+def drive(ctl, f, windows, noise=0.0, rng=None):
+    seen = []
+    for _ in range(windows):
+        sps = f(ctl.values) * (1 + (rng.uniform(-noise, noise) if noise else 0.0))
+        seen.append(ctl.observe(Profile(steps_per_s=sps)))
+        for k in ctl.knobs.values():
+            assert k.low <= ctl.values[k.name] <= k.high
+    return seen
+
+
+def knobs():
+    return [Knob("x", 1, 8), Knob("y", 0, 10, step=1)]
+
+
+def test_it_climbs_to_the_best_point_and_then_holds_still():
+    ctl = Controller(knobs(), {"x": 8, "y": 0})
+    drive(ctl, peaked(3, 5), 80)
+    assert ctl.converged and ctl.values == {"x": 3, "y": 5}
+    assert all(not d for d in drive(ctl, peaked(3, 5), 30))  # no move once converged
+    assert all(d.reason.startswith(("try", "revert")) for d in ctl.decisions)
+
+
+def test_noise_below_the_tolerance_does_not_make_it_oscillate():
+    rng = random.Random(0)
+    ctl = Controller(knobs(), {"x": 1, "y": 9}, tolerance=0.04, shift=0.2)
+    drive(ctl, peaked(6, 2), 120, noise=0.01, rng=rng)
+    assert ctl.converged and abs(ctl.values["x"] - 6) <= 1 and abs(ctl.values["y"] - 2) <= 1
+    later = drive(ctl, peaked(6, 2), 50, noise=0.01, rng=rng)
+    assert sum(len(d) for d in later) == 0
+
+
+def test_a_phase_shift_makes_it_explore_again():
+    ctl = Controller(knobs(), {"x": 4, "y": 4})
+    drive(ctl, peaked(2, 2), 60)
+    assert ctl.values == {"x": 2, "y": 2}
+    drive(ctl, peaked(7, 8), 120)  # the workload changed: throughput fell by far more than `shift`
+    assert ctl.converged and ctl.values == {"x": 7, "y": 8}
+
+
+def test_it_tries_first_what_the_bottleneck_points_at_and_stays_in_bounds():
+    ctl = Controller([Knob("groups", 1, 2), Knob("nice", 0, 10, step=5)], {"groups": 2, "nice": 0},
+                     prefer={"sampling": ("nice", 1)})
+    first = ctl.observe(Profile(steps_per_s=100.0, busy={"sampling": 0.95, "gradient": 0.4}))
+    assert [(d.knob, d.old, d.new) for d in first] == [("nice", 0, 5)]
+    assert "sampling busiest (95%)" in first[0].reason
+    flat = drive(ctl, lambda v: 100.0, 20)  # nothing helps: every move reverted, then still
+    assert ctl.converged and ctl.values == {"groups": 2, "nice": 0}
+    assert sum(len(d) for d in flat[-5:]) == 0
+    with pytest.raises(ValueError, match="low <= high"):
+        Knob("bad", 3, 1)
+    with pytest.raises(ValueError, match="no knob"):
+        Controller([], {})
+
+
+def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
+    """swimlane.autotune on a live async run: windows measured, knobs moved within their
+    bounds, the values and the count of decisions in every metrics row."""
+    from dvla.config import apply_overrides
+    from dvla.metrics import read_metrics
+    from dvla.presets import fast_reach
+    from swimlane import Swimlane
+
+    lanes = Swimlane(apply_overrides(fast_reach(), [
+        "swimlane.autotune=true", "swimlane.autotune_window_s=0.2", "swimlane.env_groups=3",
+        "env.options.render_cost_ms=2", "run.iterations=40", "env.image_size=16", "env.n_envs=32",
+        "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
+    lanes.run()
+    decisions = lanes.tuner.controller.decisions
+    assert decisions and all(d.knob in ("env_groups", "gradient_nice") for d in decisions)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    tuned = [r for r in rows if "autotune_env_groups" in r]
+    assert tuned and all(1 <= r["autotune_env_groups"] <= 3 and 0 <= r["autotune_gradient_nice"] <= 15
+                         for r in tuned)
+    assert tuned[-1]["autotune_decisions"] >= 1
+
+
+def test_autotune_is_for_async_threads():
+    from dvla.config import ConfigError, apply_overrides
+    from dvla.presets import fast_reach
+
+    with pytest.raises(ConfigError, match="autotune"):
+        apply_overrides(fast_reach(), ["swimlane.autotune=true", "swimlane.mode=sync"]).validate()
