@@ -286,6 +286,16 @@ class SwimlaneConfig:
     learner too stale. An episode may start while the chunk before its own still fills, so
     it needs ``max_staleness >= 2``. False: episodes of a batch start together (sync mode's
     bit-exact reference)."""
+    autotune: bool = False
+    """Async mode: a resource manager adjusts the run while it runs, from stage profiles
+    measured every ``autotune_window_s`` (useful env steps/s, lane busy shares, idle env
+    steps). It moves one knob at a time within bounds, keeps a move that raised throughput,
+    reverts one that did not, and stops once no move helps, until the throughput shifts.
+    Knobs: the env groups that step (1 to ``env_groups``) and ``gradient_nice`` (0 to 15).
+    Its decisions are logged and go into the metrics (``autotune_*``). False: the static
+    config."""
+    autotune_window_s: float = 2.0
+    """Seconds per autotune measuring window."""
     chunks_per_update: int = 1
     """Chunks (one env group's batch of episodes each) per learner update; ``sync`` mode
     uses one chunk from every rollout group instead."""
@@ -334,6 +344,10 @@ class SwimlaneConfig:
                 if getattr(self, n) < 1]
         if self.stall_timeout_s < 0:
             errs.append(("stall_timeout_s", f"must be >= 0, got {self.stall_timeout_s}"))
+        if self.autotune and (self.mode != "async" or self.driver != "threads"):
+            errs.append(("autotune", "needs swimlane.mode=async and driver=threads (sync rounds take every group)"))
+        if self.autotune_window_s <= 0:
+            errs.append(("autotune_window_s", f"must be > 0, got {self.autotune_window_s}"))
         if self.max_staleness < 0:
             errs.append(("max_staleness", f"must be >= 0, got {self.max_staleness}"))
         elif self.independent_envs and self.max_staleness < 2:

@@ -37,6 +37,7 @@ from planes.data import (
     TrajectorySender,
     lookup_endpoints,
 )
+from swimlane.autotune import Knob, Setting, Tuner
 from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource
 from swimlane.weights import DoubleBufferedWeights
 
@@ -311,3 +312,29 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
                 raise ConfigError(str(exc)) from None
         sink = RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}", client_keys=keys))
     return source, sink, expected
+
+
+def tuner_for(sl: SwimlaneConfig, lane, gradient_tid: Callable[[], int | None], ledger, tracer) -> Tuner | None:
+    """The resource manager of an async rank (``swimlane.autotune``), or None. Its knobs:
+    the env groups that step (``lane.active``) and the gradient lane's niceness."""
+    if not sl.autotune:
+        return None
+
+    def set_groups(v: int) -> None:
+        lane.active = v
+
+    def get_nice() -> int:
+        tid = gradient_tid()
+        return sl.gradient_nice if tid is None else os.getpriority(os.PRIO_PROCESS, tid)
+
+    def set_nice(v: int) -> None:
+        tid = gradient_tid()
+        if tid is None:
+            raise OSError("the gradient lane runs on another rank or has not started")
+        os.setpriority(os.PRIO_PROCESS, tid, v)
+
+    settings = [Setting(Knob("env_groups", 1, sl.env_groups), lambda: lane.active, set_groups)]
+    if gradient_tid() is not None or sl.gradient_nice:
+        settings.append(Setting(Knob("gradient_nice", 0, 15, step=5), get_nice, set_nice))
+    prefer = {"sampling": ("gradient_nice", 1), "gradient": ("env_groups", -1)}
+    return Tuner(settings, ledger=ledger, tracer=tracer, window_s=sl.autotune_window_s, log=log, prefer=prefer)

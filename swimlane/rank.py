@@ -26,6 +26,7 @@ from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
 from swimlane.agreement import agree
 from swimlane.build import (
+    tuner_for,
     build_data_plane,
     build_groups,
     build_memory,
@@ -112,6 +113,9 @@ class RankLanes:
         self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         self.resumed_from: int | None = None
         self.time_up = False  # run.time_limit_s reached
+        self._sampling: SamplingLane | None = None
+        self._gradient_tid: int | None = None  # the gradient lane's thread, for swimlane.autotune
+        self.tuner = None  # swimlane.autotune's, once the lanes it adjusts run
         self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
         self.ckpt = self.checkpoints = None
         if self.is_learner:
@@ -199,7 +203,16 @@ class RankLanes:
     # -- sampling and inference lanes ---------------------------------------------------
 
     def _sampling_lane(self) -> None:
-        self._make_sampling().run()
+        self._sampling = self._make_sampling()
+        self._sampling.run()
+
+    def _autotune_tick(self) -> None:
+        """From the supervisor: once the lanes it adjusts run, the resource manager's window."""
+        if self.tuner is None and self.sl.autotune and self._sampling is not None and (
+                not self.is_learner or self._gradient_tid is not None):
+            self.tuner = tuner_for(self.sl, self._sampling, lambda: self._gradient_tid, self.ledger, self.tracer)
+        if self.tuner is not None:
+            self.tuner.maybe_tick()
 
     def _make_sampling(self) -> SamplingLane:
         return SamplingLane(
@@ -237,6 +250,7 @@ class RankLanes:
         return self.sl.env_groups * max(1, len(self.expected_senders))
 
     def _gradient_lane(self) -> None:
+        self._gradient_tid = threading.get_native_id()
         if self.sl.gradient_nice:
             lower_thread_priority(self.sl.gradient_nice)
         lane = self._make_learner()
@@ -284,7 +298,8 @@ class RankLanes:
              "chunks_consumed": totals["chunks_consumed"], "env_errors": totals["env_errors"],
              **{f"chunks_{k}": v for k, v in self.chunk_accounting().items()
                 if k in ("sent", "rejected_invalid", "lost_dead_peer")},
-             **stats, **update.learn, **memory_metrics(self.memory, self.host_pool)}
+             **stats, **update.learn, **memory_metrics(self.memory, self.host_pool),
+             **(self.tuner.metrics() if self.tuner is not None else {})}
         lead, sharded = self.rank == 0, self.cfg.sharded_learners  # sharded: every learner gathers
         self.history.append(self._logger.log(self.version - 1, m))
         if lead and self.on_update is not None:

@@ -124,6 +124,7 @@ class Swimlane(RankLanes):
 
         def tick() -> None:  # a learner of several ranks drains what rollouts still send
             nonlocal drained
+            self._autotune_tick()
             if not drained and self.is_learner and self.learner_done.is_set() and self.world_size > 1:
                 self._drain()
                 drained = True

@@ -218,3 +218,25 @@ def test_a_local_channel_waits_when_full_and_stops_sending_after_a_stop():
     assert not ch.put(Chunk("d", {}, None), stop)  # after a stop nothing more goes in
     unbounded = LocalChannel()
     assert all(unbounded.put(i) for i in range(100)) and unbounded.depth() == 100
+
+
+def test_only_active_groups_start_batches():
+    """swimlane.autotune's env_groups knob: a parked group beyond ``active`` is not started."""
+    from swimlane.admission import Admission
+
+    sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach(groups=3)
+    sampling.admission = Admission(0, 1, 1, 1000)  # admission never holds here
+    sampling.active = 1
+    sampling.parked = [0, 1, 2]
+    sampling.start_admitted()
+    assert requests.depth() == 1 and sampling.parked == [1, 2]
+    groups = set()
+    for _ in range(60):
+        inference.step()
+        sampling.step()
+        while (item := sink.get(timeout=0.0)) is not None:
+            groups.add(item.meta["group"])
+    assert groups == {0}
+    sampling.active = 3
+    sampling.start_admitted()
+    assert sampling.parked == []

@@ -16,17 +16,13 @@ every env starts anew. A group fills a bounded number of chunks at once (:attr:`
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from dvla.episodes import StreamRecorder
 from swimlane.lanes.messages import Reply, Request
 
-if TYPE_CHECKING:
-    from swimlane.lanes.sampling import SamplingLane
-
 
 class OwnClock:
-    def __init__(self, lane: SamplingLane):
+    def __init__(self, lane):
+        """``lane``: the :class:`swimlane.lanes.sampling.SamplingLane` whose groups it steps."""
         self.lane = lane
         c = lane.cfg
         self.max_open = 2 if c.mode == "sync" else 1 + c.max_staleness
@@ -80,10 +76,11 @@ class OwnClock:
     def gate(self, g: int) -> None:
         """Before each step: how many envs whose episode has ended may start another? As many
         as the chunk being filled has columns left (admitted when it opened), and a chunk
-        more if the group may open one: fewer than :attr:`max_open` open in the group and,
-        in async mode, admission for a chunk that leaves after every chunk open now."""
+        more if the group may open one: it is active (``lane.active``), has fewer than
+        :attr:`max_open` open and, in async mode, admission for a chunk that leaves after
+        every chunk open now. An inactive group fills its chunk, then drains and parks."""
         lane, rec, env = self.lane, self.lane.groups[g].recorder, self.lane.envs[g]
-        may_open = len(rec.chunks) < self.max_open and (
+        may_open = g < lane.active and len(rec.chunks) < self.max_open and (
             lane.cfg.mode != "async" or lane.admission.admits(lane.weights.latest_version, ahead=self.open_chunks()))
         env.restart_limit = rec.room + (rec.b if may_open else 0)
         env.hold_restarts = env.restart_limit == 0

@@ -82,6 +82,7 @@ class SamplingLane:
         self.failures = FailureBudget(len(envs), cfg.max_env_failures)
         self.admission: Admission | None = None
         self.parked: list[int] = []  # async: groups waiting to start a new batch of episodes
+        self.active = len(envs)  # async: the groups that step (the first ones; swimlane.autotune moves it)
         self.own_clock = OwnClock(self)  # the groups' steps with independent envs
 
     def stopping(self) -> bool:
@@ -212,8 +213,11 @@ class SamplingLane:
             self.sink.end({"rank": self.cfg.rank, "chunks": self.ledger["chunks_sent"]})
 
     def start_admitted(self) -> None:
-        while self.parked and self.admission.admits(self.weights.latest_version):
-            self.start(self.parked.pop(0))
+        """Start parked active groups, in order, while admission allows."""
+        while (ready := [g for g in self.parked if g < self.active]) and self.admission.admits(
+                self.weights.latest_version):
+            self.parked.remove(ready[0])
+            self.start(ready[0])
 
     def step(self) -> bool:
         """Async: one unit of work (wait for admission, or handle one reply); False when
@@ -225,7 +229,9 @@ class SamplingLane:
                 # No new version for a while although we produce nothing: the learner is
                 # short of data (it dropped a chunk). Sample with the newest weights.
                 self.ledger.add("throttle_timeouts")
-                self.start(self.parked.pop(0))
+                g = next(g for g in self.parked if g < max(self.active, 1))
+                self.parked.remove(g)
+                self.start(g)
             self.start_admitted()
             return True
         reply = self.next_reply()
