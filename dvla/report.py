@@ -30,7 +30,15 @@ from pathlib import Path
 
 from dvla.report_data import Skip, load_config, load_metrics, load_summaries, load_traces
 from dvla.report_gantt import plot_gantt
-from dvla.report_plots import plot_lanes, plot_memory, plot_return, plot_staleness, plot_success, plot_throughput
+from dvla.report_plots import (
+    plot_autotune,
+    plot_lanes,
+    plot_memory,
+    plot_return,
+    plot_staleness,
+    plot_success,
+    plot_throughput,
+)
 from dvla.report_summary import summary_text
 
 
@@ -65,6 +73,8 @@ def make_report(run_dir, out_dir=None) -> dict:
         ("gantt.png", lambda: plot_gantt(traces, out, notes)),
         ("memory.png", lambda: plot_memory(rows, summaries, out)),
     ]
+    if any("autotune_decisions" in r for r in rows):  # swimlane.autotune ran
+        plots.append(("autotune.png", lambda: plot_autotune(rows, out)))
     pngs: list[Path] = []
     info: dict[str, dict] = {}
     skipped: list[str] = []

@@ -260,3 +260,29 @@ def plot_memory(rows: list[dict], summaries: dict[int, dict], out: Path) -> dict
     info["panels"] = [ax.get_title() for ax in axes]
     info["path"] = save(fig, out / "memory.png")
     return info
+
+
+def plot_autotune(rows, out: Path) -> Path:
+    """swimlane.autotune's knobs per update over wall time (one step line each), with the
+    throughput per update behind them: what the resource manager chose, and when."""
+    t = wall_time(rows)
+    knobs = sorted({k for r in rows for k in r if k.startswith("autotune_") and k != "autotune_decisions"})
+    if not knobs:
+        raise Skip("no autotune_* values in metrics.jsonl")
+    fig, axes = figure(len(knobs) + 1, 1, size=(8.0, 2.2 * (len(knobs) + 1)))
+    colors = ["#4c72b0", "#c44e52", "#8172b2", "#937860"]
+    for ax, key, color in zip(axes, knobs, colors * len(knobs)):
+        x, y = xy(t, col(rows, key))
+        ax.step(x, y, where="post", color=color, lw=2)
+        ax.set_ylabel(key.removeprefix("autotune_"))
+        ax.grid(alpha=0.3)
+    x, y = xy(t, col(rows, "env_steps"))
+    rate = [(b - a) / (tb - ta) for (ta, a), (tb, b) in zip(zip(x, y), zip(x[1:], y[1:])) if tb > ta]
+    axes[-1].plot([tb for ta, tb in zip(x, x[1:]) if tb > ta], rate, ".-", color="#dd8452", lw=1)
+    axes[-1].set_ylabel("env steps / s")
+    axes[-1].set_xlabel("wall time since start (s)")
+    axes[-1].grid(alpha=0.3)
+    decisions = [v for v in col(rows, "autotune_decisions") if v is not None]
+    axes[0].set_title(f"Resource manager: knob values per update ({int(decisions[-1]) if decisions else 0} "
+                      f"decisions)")
+    return save(fig, out / "autotune.png")

@@ -89,6 +89,10 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
     assert tuned and all(1 <= r["autotune_env_groups"] <= 3 and 0 <= r["autotune_gradient_nice"] <= 15
                          for r in tuned)
     assert tuned[-1]["autotune_decisions"] >= 1
+    from dvla.report import make_report
+
+    result = make_report(tmp_path / "run")
+    assert "autotune.png" in result["plots"] and result["plots"]["autotune.png"]["path"].is_file()
 
 
 def test_autotune_is_for_async_threads():
