@@ -291,7 +291,8 @@ class SwimlaneConfig:
     measured every ``autotune_window_s`` (useful env steps/s, lane busy shares, idle env
     steps). It moves one knob at a time within bounds, keeps a move that raised throughput,
     reverts one that did not, and stops once no move helps, until the throughput shifts.
-    Knobs: the env groups that step (1 to ``env_groups``) and ``gradient_nice`` (0 to 15).
+    Knobs: the env groups that step (1 to ``env_groups``), how long a forward pass waits
+    for more groups' requests (0 to 8 ms) and the gradient lane's niceness (0 to 15).
     Its decisions are logged and go into the metrics (``autotune_*``). False: the static
     config."""
     autotune_window_s: float = 2.0

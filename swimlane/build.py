@@ -314,9 +314,11 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
     return source, sink, expected
 
 
-def tuner_for(sl: SwimlaneConfig, lane, gradient_tid: Callable[[], int | None], ledger, tracer) -> Tuner | None:
+def tuner_for(sl: SwimlaneConfig, lane, inference, gradient_tid: Callable[[], int | None], ledger,
+              tracer) -> Tuner | None:
     """The resource manager of an async rank (``swimlane.autotune``), or None. Its knobs:
-    the env groups that step (``lane.active``) and the gradient lane's niceness."""
+    the env groups that step (``lane.active``), how long a forward pass waits for more
+    groups' requests (``inference.wait_s``, in ms) and the gradient lane's niceness."""
     if not sl.autotune:
         return None
 
@@ -333,8 +335,14 @@ def tuner_for(sl: SwimlaneConfig, lane, gradient_tid: Callable[[], int | None], 
             raise OSError("the gradient lane runs on another rank or has not started")
         os.setpriority(os.PRIO_PROCESS, tid, v)
 
+    def set_wait(ms: int) -> None:
+        inference.wait_s = ms / 1000.0
+
     settings = [Setting(Knob("env_groups", 1, sl.env_groups), lambda: lane.active, set_groups)]
+    if sl.env_groups > 1:
+        settings.append(Setting(Knob("inference_wait_ms", 0, 8, step=2), lambda: round(inference.wait_s * 1000),
+                                set_wait))
     if gradient_tid() is not None or sl.gradient_nice:
         settings.append(Setting(Knob("gradient_nice", 0, 15, step=5), get_nice, set_nice))
-    prefer = {"sampling": ("gradient_nice", 1), "gradient": ("env_groups", -1)}
+    prefer = {"sampling": ("gradient_nice", 1), "gradient": ("env_groups", -1), "inference": ("inference_wait_ms", 1)}
     return Tuner(settings, ledger=ledger, tracer=tracer, window_s=sl.autotune_window_s, log=log, prefer=prefer)

@@ -114,6 +114,7 @@ class RankLanes:
         self.resumed_from: int | None = None
         self.time_up = False  # run.time_limit_s reached
         self._sampling: SamplingLane | None = None
+        self._inference: InferenceLane | None = None
         self._gradient_tid: int | None = None  # the gradient lane's thread, for swimlane.autotune
         self.tuner = None  # swimlane.autotune's, once the lanes it adjusts run
         self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
@@ -208,9 +209,10 @@ class RankLanes:
 
     def _autotune_tick(self) -> None:
         """From the supervisor: once the lanes it adjusts run, the resource manager's window."""
-        if self.tuner is None and self.sl.autotune and self._sampling is not None and (
+        if self.tuner is None and self.sl.autotune and self._sampling is not None and self._inference is not None and (
                 not self.is_learner or self._gradient_tid is not None):
-            self.tuner = tuner_for(self.sl, self._sampling, lambda: self._gradient_tid, self.ledger, self.tracer)
+            self.tuner = tuner_for(self.sl, self._sampling, self._inference, lambda: self._gradient_tid, self.ledger,
+                                   self.tracer)
         if self.tuner is not None:
             self.tuner.maybe_tick()
 
@@ -233,13 +235,14 @@ class RankLanes:
         )
 
     def _inference_lane(self) -> None:
-        self._make_inference().run(self._rollout_stopping)
+        self._inference = self._make_inference()
+        self._inference.run(self._rollout_stopping)
 
     def _make_inference(self) -> InferenceLane:
         return InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
                              generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
                              pool=self.memory.transient if self.memory is not None else None, poll_s=_POLL_S,
-                             stream=self.streams["inference"])
+                             stream=self.streams["inference"], groups=self.sl.env_groups)
 
     # -- gradient lane ---------------------------------------------------------------------
 

@@ -83,7 +83,7 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     lanes.run()
     decisions = lanes.tuner.controller.decisions
-    assert decisions and all(d.knob in ("env_groups", "gradient_nice") for d in decisions)
+    assert decisions and all(d.knob in ("env_groups", "gradient_nice", "inference_wait_ms") for d in decisions)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     tuned = [r for r in rows if "autotune_env_groups" in r]
     assert tuned and all(1 <= r["autotune_env_groups"] <= 3 and 0 <= r["autotune_gradient_nice"] <= 15

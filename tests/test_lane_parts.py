@@ -240,3 +240,41 @@ def test_only_active_groups_start_batches():
     sampling.active = 3
     sampling.start_admitted()
     assert sampling.parked == []
+
+
+def test_inference_waits_for_more_groups_up_to_its_wait():
+    """swimlane.autotune's inference_wait_ms knob: a forward pass waits (up to wait_s) for
+    the other groups' requests and answers them in one pass; without a wait it goes alone."""
+    import threading
+    import time
+
+    from swimlane.admission import Admission
+
+    sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach(groups=2)
+    sampling.admission = Admission(0, 1, 1, 1000)
+    inference.groups = 2
+    replies = sampling.replies
+
+    def later():
+        time.sleep(0.05)
+        sampling.start(1)
+
+    def passes():
+        return sum(1 for lane, kind, *_ in inference.tracer.spans if lane == "inference" and kind == "infer")
+
+    sampling.start(0)
+    inference.wait_s = 0.0
+    threading.Thread(target=later).start()
+    assert inference.step() and replies.depth() == 1 and passes() == 1  # went alone
+    time.sleep(0.1)
+    assert inference.step() and replies.depth() == 2 and passes() == 2
+    while replies.get(0.0) is not None:
+        pass
+    sampling.start(0)
+    inference.wait_s = 1.0
+    t = threading.Thread(target=later)
+    t.start()
+    t0 = time.perf_counter()
+    assert inference.step() and replies.depth() == 2 and passes() == 3  # one pass for both
+    assert time.perf_counter() - t0 < 0.9  # it stopped waiting once both groups had asked
+    t.join()

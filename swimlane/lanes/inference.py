@@ -4,6 +4,7 @@ weights and answers each env group with its share, stamped with the weights vers
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable
 
 import torch
@@ -18,16 +19,19 @@ from swimlane.weights import DoubleBufferedWeights
 
 class InferenceLane:
     """``requests`` in, ``replies`` out. In async mode a step takes every request waiting
-    (one forward pass for all groups); in sync mode one at a time."""
+    (one forward pass for all groups), after waiting up to :attr:`wait_s` for more while fewer
+    than ``groups`` have come; in sync mode one at a time."""
 
     def __init__(self, *, requests: Channel[Request], replies: Channel[Reply], weights: DoubleBufferedWeights,
                  generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05,
-                 stream: LaneStream | None = None):
-        """``stream``: the CUDA stream its forward passes run on (swimlane/streams.py)."""
+                 stream: LaneStream | None = None, groups: int = 1):
+        """``stream``: the CUDA stream its forward passes run on (swimlane/streams.py);
+        ``groups``: the env groups that send requests (at most one each is pending)."""
         self.requests, self.replies = requests, replies
         self.weights, self.generator, self.tracer = weights, generator, tracer
         self.batch_all, self.pool, self.poll_s = batch_all, pool, poll_s
-        self.stream = stream
+        self.stream, self.groups = stream, groups
+        self.wait_s = 0.0  # async: how long a forward pass waits for more groups (swimlane.autotune moves it)
 
     def poll(self) -> bool:
         """For the serial driver: answer what is waiting, without blocking."""
@@ -46,6 +50,12 @@ class InferenceLane:
         reqs: list[Request] = [first]
         while self.batch_all and (more := self.requests.get(0.0)) is not None:
             reqs.append(more)
+        if self.batch_all and self.wait_s > 0 and len(reqs) < self.groups:
+            with self.tracer.span("inference", "wait"):
+                deadline = time.perf_counter() + self.wait_s
+                while len(reqs) < self.groups and (left := deadline - time.perf_counter()) > 0:
+                    if (more := self.requests.get(left)) is not None:
+                        reqs.append(more)
         policy, version = self.weights.acquire()
         for kind in ("act", "value"):
             batch = [r for r in reqs if r.kind == kind]
