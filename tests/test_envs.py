@@ -173,3 +173,19 @@ def test_long_tail_option_gives_heavy_tailed_episode_lengths():
     assert bool((lengths.view(-1, 4) == lengths.view(-1, 4)[:, :1]).all())  # a group's episodes alike
     with pytest.raises(ConfigError, match="long_tail_cap"):
         fast(options={"long_tail": 1.0, "long_tail_cap": 0.5})
+
+
+def test_render_cost_shifts_after_phase_after_renders():
+    """options.phase_after: the workload's render cost changes mid-run (autotune's bench)."""
+    import time
+
+    env = fast(n=2, options={"render_cost_ms": 0.0, "phase_after": 3, "render_cost_ms_after": 20.0})
+    env.reset()
+    took = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        env.step(torch.zeros(2, 2))
+        took.append(time.perf_counter() - t0)
+    assert max(took[:2]) < 0.015 and min(took[3:]) >= 0.02  # renders 1-3 cheap, from the 4th on 20 ms
+    with pytest.raises(ConfigError, match="phase_after"):
+        fast(options={"phase_after": -1})

@@ -17,7 +17,9 @@ that wait for the slowest of their batch leave most envs idle. 0 (the default) d
 
 It runs thousands of steps per second, which makes it the env of choice for tests
 and for measuring framework overhead; ``options.render_cost_ms`` adds that much CPU work
-per rendered observation to imitate a slow simulator in benchmarks. The work (hashing a
+per rendered observation to imitate a slow simulator in benchmarks, and
+``options.phase_after=N`` switches it to ``options.render_cost_ms_after`` once the env has
+rendered N observations (a workload whose phases shift mid-run). The work (hashing a
 buffer) runs in native code with the GIL released, as a C++/CUDA simulator's would, so
 other threads (inference, learning) can overlap with it.
 """
@@ -45,7 +47,8 @@ COLORS = {
 
 class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
-               "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0}
+               "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0,
+               "phase_after": 0, "render_cost_ms_after": 0.0}
     WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
@@ -62,13 +65,17 @@ class FastReachEnv(GoalEnv):
         n = opts["n_targets"]
         if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(COLORS)):
             raise ConfigError(f"env.options.n_targets: must be an integer in [1, {len(COLORS)}], got {n!r}")
-        for key in ("max_delta", "radius", "render_cost_ms", "long_tail"):
+        for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after"):
             v = opts[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
         cap = opts["long_tail_cap"]
         if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 1:
             raise ConfigError(f"env.options.long_tail_cap: the largest slowness, a number >= 1, got {cap!r}")
+        n = opts["phase_after"]
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ConfigError(f"env.options.phase_after: renders before render_cost_ms_after applies (0: never), "
+                              f"got {n!r}")
         w = opts["wrist_camera"]
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ConfigError(f"env.options.wrist_camera: the wrist camera's side in pixels (0: none), got {w!r}")
@@ -84,6 +91,8 @@ class FastReachEnv(GoalEnv):
         self.privileged = bool(opts["privileged"])
         self.success_threshold = float(opts["radius"])
         self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
+        self.phase_after, self.render_cost_after_s = int(opts["phase_after"]), float(opts["render_cost_ms_after"]) / 1e3
+        self.renders = 0
         self.wrist = int(opts["wrist_camera"])
         self.long_tail, self.long_tail_cap = float(opts["long_tail"]), float(opts["long_tail_cap"])
         s = cfg.image_size
@@ -149,8 +158,10 @@ class FastReachEnv(GoalEnv):
         for j in range(self.n_targets):
             img += blob(self.targets[:, j]) * self._colors[j].view(1, 3, 1, 1)
         img += blob(self.pos) * 255.0
-        if self.render_cost_s > 0:
-            end = time.perf_counter() + self.render_cost_s
+        self.renders += around is None
+        cost = self.render_cost_after_s if self.phase_after and self.renders > self.phase_after else self.render_cost_s
+        if cost > 0:
+            end = time.perf_counter() + cost
             while time.perf_counter() < end:
                 hashlib.sha256(_BURN)  # native, GIL released for buffers over 2 KiB
         return img.clamp_(0, 255).to(torch.uint8)
