@@ -228,3 +228,20 @@ def test_a_gym_vector_env_restarts_single_envs():
         res = env.step(torch.zeros(3, 1, 1))
     assert res.truncated.tolist() == [True, False, True] and res.reset.tolist() == [True, False, True]
     env.close()
+
+
+def test_independent_chunks_cross_the_data_plane_under_torchrun(tmp_path):
+    """Two processes (rank 1 rolls out, rank 0 learns): the StreamRecorder's chunks, PPO
+    bootstraps and empty columns included, pass the learner's checks over ZeroMQ."""
+    import json
+
+    from tests.ranks import torchrun_job
+
+    run = torchrun_job(tmp_path, "indep", [
+        "swimlane.independent_envs=true", "swimlane.max_staleness=4", "swimlane.colocate=false",
+        "algo.name=ppo", "policy.options.value_head=true", "run.iterations=4"])
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["version"] == 4
+    totals = summary["totals"]
+    assert not any(v for k, v in totals.items() if k.startswith("rejected_")), totals
+    assert summary["chunk_accounting"]["unaccounted"] == 0
