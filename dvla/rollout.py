@@ -17,8 +17,11 @@ import torch
 from torch import Tensor
 
 from dvla.envs.base import BatchedEnv
+from dvla.episodes import rollout_fields
 from dvla.policy import ActOutput, ExtraSpec, VLAPolicy
-from dvla.types import Observation, RolloutBatch, StepResult
+from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch, StepResult
+
+PER_EPISODE = ("instruction_ids", "instruction_mask", "success", "group_ids")  # set by start and build
 
 
 @dataclass
@@ -48,23 +51,13 @@ class EpisodeRecorder:
         t_len, b = episode_len, self.b
         alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
 
-        def zeros(*shape, dtype=torch.float32) -> Tensor:
-            return alloc(tuple(shape), dtype).zero_()
-
-        self.image = zeros(t_len, b, *env.spec.image_shape, dtype=torch.uint8)
-        self.proprio = zeros(t_len, b, env.spec.proprio_dim)
-        self.actions = zeros(t_len, b, action_chunk, env.spec.action_dim)
-        self.action_valid = zeros(t_len, b, action_chunk, dtype=torch.bool)
-        self.action_log_probs = zeros(t_len, b, action_chunk, env.spec.action_dim)
-        self.log_probs = zeros(t_len, b)
-        self.values = zeros(t_len + 1, b)
-        self.rewards = zeros(t_len, b)
-        self.terminated = zeros(t_len, b, dtype=torch.bool)
-        self.truncated = zeros(t_len, b, dtype=torch.bool)
-        self.valid = zeros(t_len, b, dtype=torch.bool)
-        self.policy_version = zeros(t_len, b, dtype=torch.long)
-        self.extras = {k: zeros(t_len, b, *e.shape, dtype=e.dtype) for k, e in (extras or {}).items()}
-        self.cameras = {k: zeros(t_len, b, *shape, dtype=torch.uint8) for k, shape in (cameras or {}).items()}
+        fields = rollout_fields(env.spec, action_chunk, t_len, b, 0, extras, cameras)
+        bufs = {name: alloc(shape, dtype).zero_() for name, (shape, dtype) in fields.items() if name not in PER_EPISODE}
+        for name, buf in bufs.items():
+            if "." not in name:
+                setattr(self, name, buf)
+        self.extras = {k[len(EXTRAS_PREFIX):]: v for k, v in bufs.items() if k.startswith(EXTRAS_PREFIX)}
+        self.cameras = {k[len(CAMERAS_PREFIX):]: v for k, v in bufs.items() if k.startswith(CAMERAS_PREFIX)}
         self.done = torch.zeros(b, dtype=torch.bool)
         self.success = torch.zeros(b, dtype=torch.bool)
         self.async_copies = self.image.is_pinned()  # pinned buffers take device copies without waiting

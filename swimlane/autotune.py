@@ -86,6 +86,11 @@ class Controller:
         self.converged = False
         self.decisions: list[Decision] = []
 
+    def fix(self, name: str, value: int) -> None:
+        """Hold knob ``name`` at ``value`` from now on (it cannot be set otherwise)."""
+        self.knobs[name] = Knob(name, value, value)
+        self.values[name] = value
+
     def moves(self) -> list[tuple[str, int]]:
         """Untried moves from the current values that stay within bounds."""
         out = []
@@ -140,7 +145,7 @@ class Controller:
         name, d = move
         old = self.values[name]
         new = self.knobs[name].clamp(old + d * self.knobs[name].step)
-        why = f"try: {sps:.0f} steps/s"
+        why = f"try: {sps:.0f} steps/s, {profile.idle_env_share:.0%} of env steps idle"
         if profile.bottleneck is not None:
             why += f", {profile.bottleneck} busiest ({profile.busy[profile.bottleneck]:.0%})"
         out.append(self._decide(name, new, why))
@@ -211,8 +216,7 @@ class Tuner:
                 self.settings[d.knob].set(d.new)
             except OSError as exc:  # e.g. raising a thread's priority needs privileges
                 self.settings.pop(d.knob)
-                self.controller.knobs[d.knob] = Knob(d.knob, d.old, d.old)  # fixed from now on
-                self.controller.values[d.knob] = d.old
+                self.controller.fix(d.knob, d.old)
                 if self.log is not None:
                     self.log.warning("autotune: cannot set %s to %d (%r); it stays %d", d.knob, d.new, exc, d.old)
                 continue

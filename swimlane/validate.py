@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from dvla.distributions import ExtraSpec
+from dvla.envs.base import EnvSpec
+from dvla.episodes import rollout_fields
 from dvla.rollout import cameras_of
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, RolloutBatch
 from swimlane.chunks import DTYPES
@@ -51,14 +54,10 @@ class ChunkSpec:
                    cameras=tuple(cameras_of(policy).items()))
 
     def shapes(self, t: int, max_tokens: int) -> dict[str, tuple[int, ...]]:
-        b = self.n_envs
-        return {"image": (t, b, *self.image_shape), "proprio": (t, b, self.proprio_dim),
-                "actions": (t, b, self.action_chunk, self.action_dim), "log_probs": (t, b), "values": (t + 1, b),
-                "rewards": (t, b), "terminated": (t, b), "truncated": (t, b), "valid": (t, b),
-                "policy_version": (t, b), "success": (b,), "group_ids": (b,), "instruction_ids": (b, max_tokens),
-                "instruction_mask": (b, max_tokens),
-                "action_valid": (t, b, self.action_chunk), "action_log_probs": (t, b, self.action_chunk, self.action_dim),
-                **{name: (t, b, *shape) for name, (_, shape) in self.optional_fields().items()}}
+        env = EnvSpec(image_shape=self.image_shape, proprio_dim=self.proprio_dim, action_dim=self.action_dim)
+        extras = {n: ExtraSpec(tuple(shape), dtype, high) for n, shape, dtype, high in self.extras}
+        fields = rollout_fields(env, self.action_chunk, t, self.n_envs, max_tokens, extras, dict(self.cameras))
+        return {name: shape for name, (shape, _) in fields.items()}
 
     def optional_fields(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """The job's further chunk tensors, name -> (dtype, shape per step and env): the

@@ -125,7 +125,7 @@ def test_grpo_chunks_hold_whole_groups_from_one_initial_state_and_lose_no_episod
     open_cols = sum(c.ended for c in rec.chunks)
     assert ended == 8 * len(chunks) + open_cols  # every ended episode is in a chunk, once
     # held restarts drain the group; the part-filled chunk leaves with empty columns apart
-    env.hold_restarts = True
+    env.restart_limit = 0  # restarts held
     gen = torch.Generator().manual_seed(1)
     while not rec.drained:
         out = random_out(rec.request_obs(), gen)

@@ -156,14 +156,14 @@ class BatchedEnv(ABC):
 
     def _restart_ended(self, res: StepResult) -> StepResult:
         """On its own clock: end episodes at the time limit, restart every block whose
-        episodes have all ended (unless :attr:`hold_restarts`), then observe."""
+        episodes have all ended (as many as :attr:`restart_limit` allows), then observe."""
         live = res.executed > 0
         self._t += live
         limit = live & ~self._done & (self._t >= self.cfg.episode_len)
         res.truncated |= limit
         self._done |= limit
         res.reset = torch.zeros_like(self._done)
-        if not self.hold_restarts:
+        if self.restart_limit != 0:
             res.final_obs, res.reset = self._restart(res.truncated)
         res.obs = self._observe()
         return res
@@ -188,15 +188,13 @@ class BatchedEnv(ABC):
             self._t[envs] = 0
         return final, restart
 
-    hold_restarts: bool = False
-    """On its own clock: leave ended episodes ended (no restart) while true; see
-    :meth:`restart_ended`."""
     restart_limit: int | None = None
     """On its own clock: restart at most this many envs per step (whole blocks, the first
-    ones); None: no limit."""
+    ones); 0 holds every restart (ended episodes stay ended, see :meth:`restart_ended`);
+    None: no limit."""
 
     def restart_ended(self) -> tuple[Observation, Tensor]:
-        """Restart every block whose episodes have all ended (after :attr:`hold_restarts`);
+        """Restart every block whose episodes have all ended (after restarts were held);
         returns the observation and which envs restarted."""
         _, restart = self._restart()
         return self._observe(), restart

@@ -45,8 +45,8 @@ class OwnClock:
                         lane.recover(g, exc)
                 state.recorder = self._recorder(g)
                 state.recorder.begin(lane.prepare(raw))
-        elif env.hold_restarts and state.recorder.drained:
-            env.hold_restarts, env.restart_limit = False, None
+        elif env.restart_limit == 0 and state.recorder.drained:
+            env.restart_limit = None
             state.recorder.restart(*env.restart_ended())
         self.ask(g)
 
@@ -83,7 +83,6 @@ class OwnClock:
         may_open = g < lane.active and len(rec.chunks) < self.max_open and (
             lane.cfg.mode != "async" or lane.admission.admits(lane.weights.latest_version, ahead=self.open_chunks()))
         env.restart_limit = rec.room + (rec.b if may_open else 0)
-        env.hold_restarts = env.restart_limit == 0
 
     def open_chunks(self) -> int:
         """Chunks being filled in every group: about as many leave before a new one."""
@@ -108,7 +107,7 @@ class OwnClock:
             lane.emit(g, None)
             if lane.cfg.mode == "sync":
                 return True
-        if env.hold_restarts and rec.drained:  # nothing runs: send what it holds, then wait
+        if env.restart_limit == 0 and rec.drained:  # nothing runs: send what it holds, then wait
             rec.flush()
             while rec.ready:
                 lane.emit(g, None)
