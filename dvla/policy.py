@@ -15,6 +15,7 @@ Mistakes are reported when the class is defined, not deep inside a training run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from abc import ABC, abstractmethod
@@ -189,8 +190,9 @@ class VLAPolicy(nn.Module, ABC):
         """Sampling with bf16 weights (an inference replica published in bf16,
         ``swimlane.publish_dtype``) runs under bf16 autocast, so fp32 inputs meet them."""
         p = next(self.parameters(), None)
-        bf16 = p is not None and p.dtype == torch.bfloat16
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16)
+        if p is None or p.dtype != torch.bfloat16:
+            return contextlib.nullcontext()  # (cheaper than a disabled autocast: this runs every step)
+        return torch.autocast(p.device.type, dtype=torch.bfloat16)
 
     def prepare(self, obs: Observation) -> Observation:
         """Tokenise instructions (once: ids and attention mask, the strings kept) and move the

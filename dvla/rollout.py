@@ -8,7 +8,6 @@ come from the inference lane.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -67,6 +66,7 @@ class EpisodeRecorder:
         self.ids: Tensor | None = None
         self.mask: Tensor | None = None
         self.obs: Observation | None = None
+        self._k_range: Tensor | None = None
 
     def start(self, obs: Observation) -> None:
         """``obs``: the reset observation with ``instruction_ids`` (and mask) filled."""
@@ -105,11 +105,13 @@ class EpisodeRecorder:
         self.valid[t].copy_(live, non_blocking=nb)
         self.actions[t].copy_(out.actions, non_blocking=nb)
         k = out.actions.shape[1]
-        executed = res.executed.to(dev) if res.executed is not None else torch.full((self.b,), k, device=dev)
-        mask = (torch.arange(k, device=dev) < executed.unsqueeze(1)) & live.unsqueeze(1)  # (B, K)
+        if res.executed is None:  # every action of the chunk applied in the envs still running
+            mask = live.unsqueeze(1).expand(self.b, k)
+        else:
+            mask = (self._arange(k, dev) < res.executed.to(dev).unsqueeze(1)) & live.unsqueeze(1)  # (B, K)
         self.action_valid[t].copy_(mask, non_blocking=nb)
         if out.log_prob_elements is not None:  # the behaviour log-prob of what the env applied
-            applied = mask.to(out.log_prob_elements.device).unsqueeze(-1).to(torch.float32)
+            applied = mask.to(out.log_prob_elements.device, torch.float32).unsqueeze(-1)
             elements = out.log_prob_elements * applied
             self.action_log_probs[t].copy_(elements, non_blocking=nb)
             self.log_probs[t].copy_(elements.sum(dim=(1, 2)), non_blocking=nb)
@@ -118,7 +120,7 @@ class EpisodeRecorder:
         self.values[t].copy_(out.values, non_blocking=nb)
         for k, buf in self.extras.items():
             buf[t].copy_(out.extras[k], non_blocking=nb)
-        self.policy_version[t] = version
+        self.policy_version[t].fill_(version)
         terminated = res.terminated & live
         truncated = res.truncated & live
         if t == self.t_len - 1:
@@ -135,8 +137,16 @@ class EpisodeRecorder:
             self._all_done_at = torch.cuda.Event()
             self._all_done_at.record()
         self.t += 1
-        self.obs = dataclasses.replace(res.obs, instruction_ids=self.ids, instruction_mask=self.mask)
+        o = res.obs  # (not dataclasses.replace: this runs every step)
+        self.obs = Observation(image=o.image, proprio=o.proprio, instruction=o.instruction, instruction_ids=self.ids,
+                               instruction_mask=self.mask, cameras=o.cameras)
         return self.obs
+
+    def _arange(self, k: int, device) -> Tensor:
+        """``arange(k)`` on ``device``, kept (a chunk's action indices)."""
+        if self._k_range is None or self._k_range.shape[0] != k or self._k_range.device != device:
+            self._k_range = torch.arange(k, device=device)
+        return self._k_range
 
     def build(self, group_ids: Tensor, last_value: Tensor | None = None) -> RolloutBatch:
         """The recorded batch; ``last_value`` bootstraps the value after the last step. Waits

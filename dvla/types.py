@@ -45,6 +45,12 @@ class Observation:
         return self.proprio.shape[0]
 
     def to(self, device: torch.device | str) -> "Observation":
+        """This observation on ``device`` (itself when every tensor is there already)."""
+        device = torch.device(device)
+        if self.image.device == device and self.proprio.device == device and all(
+                t is None or t.device == device for t in (self.instruction_ids, self.instruction_mask,
+                                                          *self.cameras.values())):
+            return self
         return Observation(
             image=self.image.to(device, non_blocking=True),
             proprio=self.proprio.to(device, non_blocking=True),

@@ -128,25 +128,27 @@ class BatchedEnv(ABC):
     def step(self, actions: Tensor) -> StepResult:
         if actions.dim() == 2:
             actions = actions.unsqueeze(1)
-        if actions.shape[0] != self.n_envs or actions.shape[2] != self.spec.action_dim:
+        if actions.shape[0] != self.n_envs or actions.shape[1] < 1 or actions.shape[2] != self.spec.action_dim:
             raise ValueError(
                 f"actions must be (n_envs={self.n_envs}, K, action_dim={self.spec.action_dim}), "
                 f"got {tuple(actions.shape)}"
             )
         actions = actions.to(self.device).clamp(-1.0, 1.0)
-        total = torch.zeros(self.n_envs, device=self.device)
-        term = torch.zeros_like(self._done)
-        trunc = torch.zeros_like(self._done)
-        executed = torch.zeros(self.n_envs, dtype=torch.long, device=self.device)
+        # The first action starts the sums (small tensor ops are most of a cheap step's cost).
+        # An env ends at most once per chunk: what ended and did not terminate was truncated.
         for k in range(actions.shape[1]):
             r, te, tr, su = self._step_action(actions[:, k])
             live = ~self._done
-            executed += live
-            total += r * live
-            term |= te & live
-            trunc |= tr & live & ~te
+            te, ended = te & live, (te | tr) & live
+            if k == 0:
+                total, term, executed, ended_any = r * live, te, live.long(), ended
+            else:
+                total, term, executed, ended_any = total + r * live, term | te, executed + live, ended_any | ended
             self._success |= su & live
-            self._done |= (te | tr) & live
+            self._done |= ended
+        trunc = ended_any & ~term
+        if total.dtype != torch.float32:
+            total = total.float()
         res = StepResult(obs=None, reward=total, terminated=term, truncated=trunc, success=self._success.clone(),
                          executed=executed)
         if self._independent is None:

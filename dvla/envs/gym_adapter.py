@@ -109,8 +109,8 @@ class GymVectorEnv(BatchedEnv):
         elif isinstance(act, gym.spaces.Box):
             self._discrete = 0
             adim = int(np.prod(act.shape))
-            self._low = torch.tensor(np.broadcast_to(act.low, act.shape).reshape(-1), dtype=torch.float32)
-            self._high = torch.tensor(np.broadcast_to(act.high, act.shape).reshape(-1), dtype=torch.float32)
+            self._low = np.broadcast_to(act.low, act.shape).reshape(-1).astype(np.float32)
+            self._half_range = (np.broadcast_to(act.high, act.shape).reshape(-1).astype(np.float32) - self._low) * 0.5
             self._act_shape = act.shape
         else:
             raise ConfigError(f"env.options.gym_id: unsupported action space {act}")
@@ -135,26 +135,26 @@ class GymVectorEnv(BatchedEnv):
         self._last_obs = obs
 
     def _step_action(self, action: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        a = action.detach().cpu().float()
+        # numpy on the host: a few small tensor ops would cost more than a cheap task's step
+        a = action.detach().to("cpu", torch.float32).numpy()
         if self._discrete:
-            act = ((a[:, 0] + 1.0) * 0.5 * self._discrete).long().clamp(0, self._discrete - 1).numpy()
+            act = np.clip(((a[:, 0] + 1.0) * 0.5 * self._discrete).astype(np.int64), 0, self._discrete - 1)
         else:
-            act = (self._low + (a + 1.0) * 0.5 * (self._high - self._low)).numpy()
-            act = act.reshape(self.n_envs, *self._act_shape)
+            act = (self._low + (a + 1.0) * self._half_range).reshape(self.n_envs, *self._act_shape)
         obs, reward, term, trunc, info = self.vec.step(act)
         self._last_obs = obs
-        success = np.zeros(self.n_envs, dtype=bool)
+        success = None
         for key in ("is_success", "success"):
             if key in info:
                 success = np.asarray(info[key], dtype=bool)
                 break
         dev = self.device
-        return (
-            torch.as_tensor(np.asarray(reward, dtype=np.float32), device=dev),
-            torch.as_tensor(np.asarray(term, dtype=bool), device=dev),
-            torch.as_tensor(np.asarray(trunc, dtype=bool), device=dev),
-            torch.as_tensor(success, device=dev),
-        )
+
+        def tensor(x, dtype):  # a fresh array (the vector env may reuse its own) as a tensor
+            return torch.from_numpy(np.array(x, dtype=dtype)).to(dev)
+
+        return (tensor(reward, np.float32), tensor(term, bool), tensor(trunc, bool),
+                tensor(success, bool) if success is not None else torch.zeros(self.n_envs, dtype=torch.bool, device=dev))
 
     def _observe(self) -> Observation:
         obs = self._last_obs
