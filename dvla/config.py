@@ -292,11 +292,19 @@ class SwimlaneConfig:
     steps). It moves one knob at a time within bounds, keeps a move that raised throughput,
     reverts one that did not, and stops once no move helps, until the throughput shifts.
     Knobs: the env groups that step (1 to ``env_groups``), how long a forward pass waits
-    for more groups' requests (0 to 8 ms) and the gradient lane's niceness (0 to 15).
+    for more groups' requests (0 to 8 ms), ``take_turns`` and the gradient lane's
+    niceness (0 to 15).
     Its decisions are logged and go into the metrics (``autotune_*``). False: the static
     config."""
     autotune_window_s: float = 2.0
     """Seconds per autotune measuring window."""
+    take_turns: bool = False
+    """Async mode, threads: the lanes take turns instead of overlapping. The sampling lane
+    runs the forward passes itself (no hand-off to the inference thread and back each
+    step), and on a rank that also learns, simulation and updates hold one lock (it then
+    runs like the synchronous loop). For cheap tasks, GIL-holding simulators or too few
+    cores, where overlapping threads cost more than they save; a rollout-only rank (the
+    learner in a process of its own) keeps the overlap that matters. An autotune knob."""
     chunks_per_update: int = 1
     """Chunks (one env group's batch of episodes each) per learner update; ``sync`` mode
     uses one chunk from every rollout group instead."""
@@ -347,6 +355,9 @@ class SwimlaneConfig:
             errs.append(("stall_timeout_s", f"must be >= 0, got {self.stall_timeout_s}"))
         if self.autotune and (self.mode != "async" or self.driver != "threads"):
             errs.append(("autotune", "needs swimlane.mode=async and driver=threads (sync rounds take every group)"))
+        if self.take_turns and (self.mode != "async" or self.driver != "threads"):
+            errs.append(("take_turns", "needs swimlane.mode=async and driver=threads (sync mode and the serial "
+                                       "driver take turns already)"))
         if self.autotune_window_s <= 0:
             errs.append(("autotune_window_s", f"must be > 0, got {self.autotune_window_s}"))
         if self.max_staleness < 0:

@@ -315,10 +315,12 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
 
 
 def tuner_for(sl: SwimlaneConfig, lane, inference, gradient_tid: Callable[[], int | None], ledger,
-              tracer) -> Tuner | None:
+              tracer, turns) -> Tuner | None:
     """The resource manager of an async rank (``swimlane.autotune``), or None. Its knobs:
     the env groups that step (``lane.active``), how long a forward pass waits for more
-    groups' requests (``inference.wait_s``, in ms) and the gradient lane's niceness."""
+    groups' requests (``inference.wait_s``, in ms), whether the sampling lane runs the
+    whether the lanes take turns (``turns``, the rank's :class:`swimlane.lanes.turns.Turns`:
+    ``swimlane.take_turns``) and the gradient lane's niceness."""
     if not sl.autotune:
         return None
 
@@ -338,7 +340,8 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, gradient_tid: Callable[[], in
     def set_wait(ms: int) -> None:
         inference.wait_s = ms / 1000.0
 
-    settings = [Setting(Knob("env_groups", 1, sl.env_groups), lambda: lane.active, set_groups)]
+    settings = [Setting(Knob("env_groups", 1, sl.env_groups), lambda: lane.active, set_groups),
+                Setting(Knob("take_turns", 0, 1), lambda: int(turns.on), lambda v: turns.set(bool(v)))]
     if sl.env_groups > 1:
         settings.append(Setting(Knob("inference_wait_ms", 0, 8, step=2), lambda: round(inference.wait_s * 1000),
                                 set_wait))

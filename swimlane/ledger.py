@@ -7,6 +7,7 @@ value one step old. A resumed run carries the totals of the attempts before it.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Iterable, Mapping
 
 COUNTERS: dict[str, str] = {
@@ -42,12 +43,14 @@ class Ledger:
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.changed: dict[str, float] = {}  # counter -> perf_counter() of its last add
         self.carried: dict[str, int] = {}
         self.carried_env_steps = 0
 
     def add(self, name: str, n: int = 1) -> None:
         if name not in self.counts:
             raise KeyError(f"unknown counter {name!r}; known: {', '.join(COUNTERS)}")
+        self.changed[name] = time.perf_counter()  # first: a reader seeing the new count sees its time
         self.counts[name] += n
 
     def __getitem__(self, name: str) -> int:

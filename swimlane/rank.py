@@ -56,6 +56,7 @@ from swimlane.lanes import (
     SnapshotSlot,
     Update,
 )
+from swimlane.lanes.turns import Turns
 from swimlane.ledger import Ledger, chunk_accounting
 from swimlane.ordering import CollectiveOrder
 from swimlane.snapshots import check_finite, copy_into_snapshot
@@ -117,6 +118,7 @@ class RankLanes:
         self._inference: InferenceLane | None = None
         self._gradient_tid: int | None = None  # the gradient lane's thread, for swimlane.autotune
         self.tuner = None  # swimlane.autotune's, once the lanes it adjusts run
+        self.turns = Turns(self.sl.take_turns)  # overlapping lanes, or taking turns (an autotune knob)
         self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
         self.ckpt = self.checkpoints = None
         if self.is_learner:
@@ -212,7 +214,7 @@ class RankLanes:
         if self.tuner is None and self.sl.autotune and self._sampling is not None and self._inference is not None and (
                 not self.is_learner or self._gradient_tid is not None):
             self.tuner = tuner_for(self.sl, self._sampling, self._inference, lambda: self._gradient_tid, self.ledger,
-                                   self.tracer)
+                                   self.tracer, self.turns)
         if self.tuner is not None:
             self.tuner.maybe_tick()
 
@@ -221,7 +223,8 @@ class RankLanes:
             envs=self.envs, prepare=self.policy.prepare, requests=self._requests, replies=self._replies,
             sink=self.sink, weights=self.weights, tracer=self.tracer, ledger=self.ledger,
             stop=self.rollout_stop, halt=self.stop_event,
-            host_pool=self.host_pool if self.memory is not None else None,
+            host_pool=self.host_pool if self.memory is not None else None, turns=self.turns,
+            serve=lambda: self._inference is not None and self._inference.serve(),
             cfg=SamplingConfig(
                 mode=self.sl.mode, n_envs=self.cfg.env.n_envs, group_size=self.group_size,
                 episode_len=self.cfg.env.episode_len, action_chunk=self.cfg.policy.action_chunk,
@@ -242,7 +245,7 @@ class RankLanes:
         return InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
                              generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
                              pool=self.memory.transient if self.memory is not None else None, poll_s=_POLL_S,
-                             stream=self.streams["inference"], groups=self.sl.env_groups)
+                             stream=self.streams["inference"], groups=self.sl.env_groups, turns=self.turns)
 
     # -- gradient lane ---------------------------------------------------------------------
 
@@ -279,7 +282,7 @@ class RankLanes:
             version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
             stop_rollouts=self.rollout_stop.set, activations=self._activations,
-            before_update=lambda: self.order.before_update(self.version, self.stop_event))
+            turn=self.turns, before_update=lambda: self.order.before_update(self.version, self.stop_event))
 
     def _retry_handoff(self) -> None:
         if self.slot.pending and self.slot.free:

@@ -83,11 +83,13 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     lanes.run()
     decisions = lanes.tuner.controller.decisions
-    assert decisions and all(d.knob in ("env_groups", "gradient_nice", "inference_wait_ms") for d in decisions)
+    assert decisions and all(d.knob in ("env_groups", "gradient_nice", "inference_wait_ms", "take_turns")
+                             for d in decisions)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     tuned = [r for r in rows if "autotune_env_groups" in r]
     assert tuned and all(1 <= r["autotune_env_groups"] <= 3 and 0 <= r["autotune_gradient_nice"] <= 15
-                         for r in tuned)
+                         and r["autotune_take_turns"] in (0.0, 1.0) for r in tuned)
+    assert lanes.turns.on == bool(lanes.tuner.controller.values["take_turns"])  # the knob is the switch
     assert tuned[-1]["autotune_decisions"] >= 1
     from dvla.report import make_report
 
@@ -101,3 +103,46 @@ def test_autotune_is_for_async_threads():
 
     with pytest.raises(ConfigError, match="autotune"):
         apply_overrides(fast_reach(), ["swimlane.autotune=true", "swimlane.mode=sync"]).validate()
+    with pytest.raises(ConfigError, match="take_turns"):
+        apply_overrides(fast_reach(), ["swimlane.take_turns=true", "swimlane.driver=serial",
+                                       "swimlane.mode=sync"]).validate()
+
+
+def test_a_run_taking_turns_learns_and_accounts_for_every_chunk(tmp_path):
+    """swimlane.take_turns as a static setting: an async job whose lanes take turns runs to
+    its last update, every chunk sent is consumed or counted as dropped, and the success
+    rate of the fast_reach task rises as in the other modes."""
+    from dvla.config import apply_overrides
+    from dvla.presets import fast_reach
+    from swimlane import Swimlane
+
+    lanes = Swimlane(apply_overrides(fast_reach(), [
+        "swimlane.take_turns=true", "run.iterations=30", "env.image_size=16", "run.torch_threads=1",
+        "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
+    s = lanes.run()
+    assert s["version"] == 30 and s["error"] is None and lanes.turns.on
+    assert s["chunks_sent"] == s["chunks_consumed"] + s["dropped_stale"] + s["discarded_after_run"]
+    rates = [h["success_rate"] for h in lanes.history]
+    assert sum(rates[-5:]) / 5 > sum(rates[:5]) / 5 + 0.1
+
+
+def test_the_tuner_measures_whole_chunks_and_waits_for_one():
+    """Env steps are counted a chunk at a time: the rate runs from the last chunk counted
+    before a window to the last one in it, and a window without a chunk goes on."""
+    from swimlane.autotune import Setting, Tuner
+    from swimlane.ledger import Ledger
+    from swimlane.trace import Tracer
+
+    ledger, value = Ledger(), {"k": 1}
+    tuner = Tuner([Setting(Knob("k", 0, 2), lambda: value["k"], lambda v: value.update(k=v))], ledger=ledger,
+                  tracer=Tracer(), window_s=0.0)
+    t0 = tuner.last[0]
+    assert tuner.profile() is None and tuner.tick() == []  # no chunk counted yet
+    ledger.add("env_steps_live", 1000)
+    ledger.changed["env_steps_live"] = t0 + 0.5
+    assert tuner.profile().steps_per_s == pytest.approx(2000)
+    ledger.add("env_steps_live", 1000)
+    ledger.add("env_steps_idle", 1000)
+    ledger.changed["env_steps_live"] = t0 + 1.5
+    p = tuner.profile()
+    assert p.steps_per_s == pytest.approx(1000) and p.idle_env_share == pytest.approx(0.5)

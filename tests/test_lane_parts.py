@@ -89,7 +89,7 @@ def test_admission_waits_for_weights_the_learner_will_accept():
         Admission(base=0, chunks_per_update=1, senders=0, max_staleness=1)
 
 
-def _lanes_on_fast_reach(mode="async", groups=2):
+def _lanes_on_fast_reach(mode="async", groups=2, turns=None):
     """A sampling and an inference lane joined by plain queues, on the pure-torch env."""
     import copy
     import threading
@@ -120,11 +120,11 @@ def _lanes_on_fast_reach(mode="async", groups=2):
     cfg = SamplingConfig(mode=mode, n_envs=4, group_size=2, episode_len=3, action_chunk=1, has_value=False,
                          chunks_per_update=1, senders=1, max_staleness=1, max_env_failures=2, rank=0,
                          rollout_index=0, rollout_ranks=1, throttle_s=0.01, poll_s=0.01)
+    inference = InferenceLane(requests=requests, replies=replies, weights=weights,
+                              generator=torch.Generator().manual_seed(1), tracer=tracer, batch_all=True, turns=turns)
     sampling = SamplingLane(envs=envs, prepare=policy.prepare, requests=requests, replies=replies, sink=sink,
                             weights=weights, tracer=tracer, ledger=ledger, cfg=cfg, stop=stop,
-                            halt=threading.Event())
-    inference = InferenceLane(requests=requests, replies=replies, weights=weights,
-                              generator=torch.Generator().manual_seed(1), tracer=tracer, batch_all=True)
+                            halt=threading.Event(), turns=turns, serve=inference.serve)
     return sampling, inference, sink, weights, ledger, requests
 
 
@@ -156,6 +156,66 @@ def test_sampling_and_inference_lanes_step_in_one_thread():
     assert ids == {0, 1, 2, 3}  # 2 GRPO groups per env group, 2 env groups
     # Both groups are parked again: version 0 admits no third batch (it would be too stale).
     assert sorted(sampling.parked) == [0, 1] and not sampling.admission.admits(weights.latest_version)
+
+
+def test_taking_turns_answers_inline_and_holds_one_lock():
+    """swimlane.take_turns: the sampling lane answers its own requests in its thread while
+    the inference lane's thread idles; simulation holds the rank's lock, so an update
+    holding it keeps the simulator waiting; switched off, the inference thread answers
+    again and nothing is held."""
+    import threading
+    import time
+
+    from swimlane.admission import Admission
+    from swimlane.lanes.turns import Turns
+
+    turns = Turns(on=True)
+    sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach(groups=1, turns=turns)
+    answered_in: list[str] = []
+    answer = inference._answer
+
+    def spy(*args):
+        answered_in.append(threading.current_thread().name)
+        return answer(*args)
+
+    inference._answer = spy
+    stop = threading.Event()
+    thread = threading.Thread(target=inference.run, args=(stop.is_set,), name="inference", daemon=True)
+    thread.start()
+    try:
+        sampling.admission = Admission(0, 1, 1, 1)
+        sampling.parked = [0]
+        sampling.start_admitted()
+        for _ in range(3):  # 3 decisions and the batch ends: one chunk (and the next batch starts)
+            assert sampling.step()
+        assert sink.get(timeout=0.0) is not None and ledger["chunks_sent"] == 1
+        assert answered_in and set(answered_in) == {threading.current_thread().name}  # all inline
+
+        # An update holds the turn: the sampling lane's next step waits for it.
+        held = threading.Event()
+
+        def update():
+            with turns():
+                held.set()
+                time.sleep(0.3)
+
+        t = threading.Thread(target=update)
+        t.start()
+        held.wait()
+        t0 = time.perf_counter()
+        assert sampling.step()  # answers the request inline, then simulates: after the update
+        assert time.perf_counter() - t0 >= 0.25
+        t.join()
+
+        turns.set(False)  # back to overlapping: the inference thread answers
+        answered_in.clear()
+        assert sampling.step() and answered_in and set(answered_in) == {"inference"}
+        assert turns() is not turns._lock  # nothing held while off
+    finally:
+        stop.set()
+        turns.set(False)
+        thread.join(timeout=5)
+    assert not thread.is_alive()
 
 
 def test_snapshot_slot_hands_over_the_newest_version_and_skips_when_busy():

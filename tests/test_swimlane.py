@@ -532,12 +532,14 @@ def test_double_buffered_weights_never_expose_a_torn_version():
 
 def test_three_process_run_learns_over_real_planes(tmp_path):
     """torchrun: rank 0 learns and publishes, ranks 1 and 2 sample and infer; chunks over
-    the ZeroMQ data plane, weights over the gloo control plane. The policy must learn."""
+    the ZeroMQ data plane, weights over the gloo control plane. The policy must learn. The
+    rollout ranks take turns (the lanes in processes, Sample Factory style): their sampling
+    lanes answer their own requests, never waiting on the inference thread."""
     out = tmp_path / "mp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            "-m", "dvla.launch", "--preset", "fast_reach", "run.iterations=40", "env.image_size=16",
            "env.n_envs=32", "swimlane.chunks_per_update=2", "swimlane.colocate=false", "run.progress=false",
-           "run.torch_threads=1", f"run.out_dir={out.parent}", f"run.name={out.name}"]
+           "run.torch_threads=1", "swimlane.take_turns=true", f"run.out_dir={out.parent}", f"run.name={out.name}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
@@ -558,6 +560,9 @@ def test_three_process_run_learns_over_real_planes(tmp_path):
         kinds = {(s[0], s[1]) for s in spans}
         assert ("sampling", "send") in kinds and ("broadcast", "receive") in kinds
         assert ("gradient", "learn") not in kinds
+        waits = sum(1 for s in spans if (s[0], s[1]) == ("sampling", "wait"))
+        infers = sum(1 for s in spans if (s[0], s[1]) == ("inference", "infer"))
+        assert infers > 100 and waits <= 2, (waits, infers)  # inline: only the wait for the first weights
 
 
 def test_two_learner_ranks_average_gradients_and_finish(tmp_path):

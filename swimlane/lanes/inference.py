@@ -4,6 +4,7 @@ weights and answers each env group with its share, stamped with the weights vers
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from typing import Callable
 
@@ -12,6 +13,7 @@ import torch
 from dvla.types import cat_observations
 from swimlane.channels import Channel
 from swimlane.lanes.messages import Reply, Request
+from swimlane.lanes.turns import Turns
 from swimlane.streams import LaneStream, tensors_of
 from swimlane.trace import Tracer
 from swimlane.weights import DoubleBufferedWeights
@@ -20,18 +22,26 @@ from swimlane.weights import DoubleBufferedWeights
 class InferenceLane:
     """``requests`` in, ``replies`` out. In async mode a step takes every request waiting
     (one forward pass for all groups), after waiting up to :attr:`wait_s` for more while fewer
-    than ``groups`` have come; in sync mode one at a time."""
+    than ``groups`` have come; in sync mode one at a time.
+
+While the rank's lanes take turns (``turns``, :mod:`swimlane.lanes.turns`) the sampling lane
+answers its own requests, in its thread (:meth:`serve`), and this lane's thread idles:
+handing every step to another thread and back costs two thread wake-ups, which on a cheap
+task or too few cores outweighs the overlap the hand-off buys."""
 
     def __init__(self, *, requests: Channel[Request], replies: Channel[Reply], weights: DoubleBufferedWeights,
                  generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05,
-                 stream: LaneStream | None = None, groups: int = 1):
+                 stream: LaneStream | None = None, groups: int = 1, turns: Turns | None = None):
         """``stream``: the CUDA stream its forward passes run on (swimlane/streams.py);
-        ``groups``: the env groups that send requests (at most one each is pending)."""
+        ``groups``: the env groups that send requests (at most one each is pending);
+        ``turns``: the rank's switch between overlapping lanes and taking turns."""
         self.requests, self.replies = requests, replies
         self.weights, self.generator, self.tracer = weights, generator, tracer
         self.batch_all, self.pool, self.poll_s = batch_all, pool, poll_s
         self.stream, self.groups = stream, groups
         self.wait_s = 0.0  # async: how long a forward pass waits for more groups (swimlane.autotune moves it)
+        self.turns = turns or Turns()
+        self._lock = threading.Lock()  # one forward pass at a time (the generator, the pool lease)
 
     def poll(self) -> bool:
         """For the serial driver: answer what is waiting, without blocking."""
@@ -39,7 +49,16 @@ class InferenceLane:
 
     def run(self, stopping: Callable[[], bool]) -> None:
         while not stopping():
-            self.step(timeout=self.poll_s)
+            if self.turns.on:
+                self.turns.threads_free.wait(self.poll_s)
+            else:
+                self.step(timeout=self.poll_s)
+
+    def serve(self) -> bool:
+        """While the lanes take turns: answer the requests waiting, in the calling thread;
+        False otherwise or when none waits. (A request this lane's thread took just before
+        the switch is answered there; replies arrive either way.)"""
+        return self.turns.on and self.step(0.0)
 
     @torch.no_grad()
     def step(self, timeout: float = 0.0) -> bool:
@@ -47,10 +66,15 @@ class InferenceLane:
         first = self.requests.get(timeout)
         if first is None:
             return False
+        with self._lock:
+            self._answer_all(first)
+        return True
+
+    def _answer_all(self, first: Request) -> None:
         reqs: list[Request] = [first]
         while self.batch_all and (more := self.requests.get(0.0)) is not None:
             reqs.append(more)
-        if self.batch_all and self.wait_s > 0 and len(reqs) < self.groups:
+        if self.batch_all and self.wait_s > 0 and len(reqs) < self.groups and not self.turns.on:
             with self.tracer.span("inference", "wait"):
                 deadline = time.perf_counter() + self.wait_s
                 while len(reqs) < self.groups and (left := deadline - time.perf_counter()) > 0:
@@ -62,7 +86,6 @@ class InferenceLane:
             if batch:
                 with self.tracer.span("inference", "infer" if kind == "act" else "value"):
                     self._answer(policy, version, kind, batch)
-        return True
 
     def _answer(self, policy, version: int, kind: str, batch: list[Request]) -> None:
         lease = self.pool.lease() if self.pool is not None else None
@@ -76,6 +99,9 @@ class InferenceLane:
         start = 0
         for r in batch:
             n = r.obs.batch_size
-            part = out.rows(start, start + n) if kind == "act" else out[start : start + n]
+            if len(batch) == 1:
+                part = out
+            else:
+                part = out.rows(start, start + n) if kind == "act" else out[start : start + n]
             self.replies.put(Reply(r.group, kind, part, version))
             start += n

@@ -66,18 +66,21 @@ class LearnerLane:
                  check_health: Callable[[StallTimer], None], stall: StallTimer,
                  idle: Callable[[], None] = lambda: None, stop_rollouts: Callable[[], None] = lambda: None,
                  activations: Callable[[], ContextManager] = contextlib.nullcontext,
-                 before_update: Callable[[], bool] = lambda: True):
+                 before_update: Callable[[], bool] = lambda: True,
+                 turn: Callable[[], ContextManager] = contextlib.nullcontext):
         """``version()``: the weights version being trained; ``finish_update(update)`` logs,
         checkpoints and publishes, and returns True after the last update;
         ``check_health(stall)`` raises when the run cannot go on (dead senders, a stall);
         ``idle()`` runs between polls (a skipped snapshot hand-over, say);
         ``before_update()`` gates the update's collectives (:mod:`swimlane.ordering`), False
-        when the run stopped while waiting."""
+        when the run stopped while waiting; ``turn()``: the context an update runs in
+        (:class:`swimlane.lanes.turns.Turns`)."""
         self.source, self.algo, self.generator = source, algo, generator
         self.ledger, self.tracer, self.cfg = ledger, tracer, cfg
         self.version, self.finish_update = version, finish_update
         self.check_health, self.stall, self.idle = check_health, stall, idle
         self.stop_rollouts, self.activations, self.before_update = stop_rollouts, activations, before_update
+        self.turn = turn
         self.consumed_steps = 0
         self.bad_in_a_row = 0
         self._pending: tuple[list[RolloutBatch], list[Any]] = ([], [])  # poll(): chunks so far
@@ -170,7 +173,7 @@ class LearnerLane:
         batch = concat(chunks)
         self.ledger.add("chunks_consumed", len(chunks))
         t0 = time.perf_counter()
-        with self.tracer.span("gradient", "learn"), self.activations():
+        with self.turn(), self.tracer.span("gradient", "learn"), self.activations():
             learn = self.algo.update(batch, self.generator, learner_version=self.version())
         self.check_finite(learn)
         update = Update(batch=batch, learn=learn, learn_s=time.perf_counter() - t0, env_steps=self.consumed_steps)

@@ -30,6 +30,7 @@ from swimlane.admission import Admission
 from swimlane.channels import Channel, Chunk
 from swimlane.health import FailureBudget
 from swimlane.lanes.messages import Reply, Request
+from swimlane.lanes.turns import Turns
 from swimlane.ledger import Ledger
 from swimlane.trace import Tracer
 from swimlane.weights import DoubleBufferedWeights
@@ -71,9 +72,13 @@ class GroupState:
 class SamplingLane:
     def __init__(self, *, envs: list, prepare: Callable, requests: Channel[Request], replies: Channel[Reply], sink,
                  weights: DoubleBufferedWeights, tracer: Tracer, ledger: Ledger, cfg: SamplingConfig,
-                 stop: threading.Event, halt: threading.Event, host_pool=None):
+                 stop: threading.Event, halt: threading.Event, host_pool=None, turns: Turns | None = None,
+                 serve: Callable[[], bool] = lambda: False):
         """``stop``: the rollouts should stop (also set when the run stops); ``halt``: the
-        whole run is stopping (then the sink is not told that this rank ended)."""
+        whole run is stopping (then the sink is not told that this rank ended); ``turns``:
+        the rank's switch between overlapping lanes and taking turns
+        (:mod:`swimlane.lanes.turns`); ``serve()``: the inference lane's answer in this
+        thread while turns are on."""
         self.envs, self.prepare = envs, prepare
         self.requests, self.replies, self.sink = requests, replies, sink
         self.weights, self.tracer, self.ledger, self.cfg = weights, tracer, ledger, cfg
@@ -84,6 +89,7 @@ class SamplingLane:
         self.parked: list[int] = []  # async: groups waiting to start a new batch of episodes
         self.active = len(envs)  # async: the groups that step (the first ones; swimlane.autotune moves it)
         self.own_clock = OwnClock(self)  # the groups' steps with independent envs
+        self.turns, self.serve = turns or Turns(), serve
 
     def stopping(self) -> bool:
         return self.stop.is_set() or self.halt.is_set()
@@ -178,7 +184,7 @@ class SamplingLane:
         """Step group ``g``'s env; None when the simulator failed (the group was reset and
         asked for its first actions again)."""
         try:
-            with self.tracer.span("sampling", "sim"):
+            with self.turns(), self.tracer.span("sampling", "sim"):
                 res = self.envs[g].step(actions)
         except Exception as exc:
             self.recover(g, exc)
@@ -188,6 +194,11 @@ class SamplingLane:
         return res
 
     def next_reply(self) -> Reply | None:
+        if self.turns.on:  # inline: answer our own request
+            with self.turns():
+                served = self.serve()
+            if served and (reply := self.replies.get(0.0)) is not None:
+                return reply
         with self.tracer.span("sampling", "wait"):
             while not self.stopping():
                 reply = self.replies.get(self.cfg.poll_s)
