@@ -9,7 +9,15 @@ lines). dvla runs the same work through its lanes in several settings:
 
 * ``sync``: the serial driver, one thread;
 * ``async``: the default lanes (threads);
-* ``autotune``: async with ``swimlane.autotune``.
+* ``turns``: async with ``swimlane.take_turns`` (inference inline, simulation and updates
+  one at a time);
+* ``autotune``: async with ``swimlane.autotune`` (starting from 2 env groups, turns off);
+* ``procs``: the Sample Factory layout, lanes in two processes: ``torchrun`` starts a
+  learner rank and a rollout rank (``swimlane.colocate=false``, the rollout rank taking
+  turns: its inference inline), joined by the data plane. Its figure is the learner
+  rank's, from its own start, as for the others (process start-up not counted);
+* ``procs_autotune``: the same layout with ``swimlane.autotune`` on the rollout rank
+  instead (turns off at the start: the controller has to find them).
 
 Runs alternate (the order rotates between repeats); printed per repeat and as medians: env
 steps per second, and each ratio to the reference measured in the same repeat.
@@ -22,7 +30,11 @@ autotune chooses.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -128,7 +140,30 @@ def reference_ppo(gym_id: str, n_envs: int, t_len: int, updates: int, algo: Algo
     return steps / (time.perf_counter() - start)
 
 
+def _overrides(args) -> list[str]:
+    return [f"env.n_envs={args.n_envs}", f"env.episode_len={args.t_len}", f"algo.update_epochs={args.epochs}",
+            f"algo.minibatches={args.minibatches}", f"run.iterations={args.updates}"]
+
+
+def procs_job(args, out: Path, tuned: bool) -> float:
+    """``procs``: one learner rank and one rollout rank under torchrun; ``tuned``: with
+    autotune on the rollout rank rather than turns set."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "dvla.launch",
+           "--preset", "debug", "--import", __file__, "env.name=gym", "env.image_size=8", "env.render=false",
+           f"env.options.gym_id={args.gym_id}", "policy.name=bench_state_mlp", "policy.action_chunk=1",
+           "algo.name=ppo", f"run.out_dir={out}", "run.name=procs", "run.torch_threads=1", "run.progress=false",
+           "run.save_every=0", "swimlane.env_groups=1", "swimlane.colocate=false", "swimlane.trace=false",
+           *(["swimlane.autotune=true", f"swimlane.autotune_window_s={args.window_s}"] if tuned
+             else ["swimlane.take_turns=true"]), *_overrides(args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=600)
+    s = json.loads((out / "procs" / "summary.json").read_text())
+    return s["env_steps"] / s["wall_s"]
+
+
 def dvla_job(args, out: Path, setting: str) -> float:
+    if setting.startswith("procs"):
+        return procs_job(args, out, tuned=setting == "procs_autotune")
     cfg = JobConfig(
         env=EnvConfig(name="gym", n_envs=args.n_envs, episode_len=args.t_len, image_size=8, render=False,
                       options={"gym_id": args.gym_id}),
@@ -136,8 +171,9 @@ def dvla_job(args, out: Path, setting: str) -> float:
         algo=AlgoConfig(name="ppo", update_epochs=args.epochs, minibatches=args.minibatches),
         run=RunConfig(iterations=args.updates, out_dir=str(out), torch_threads=1, progress=False, save_every=0),
         swimlane=SwimlaneConfig(env_groups=1, trace=setting == "autotune"))
-    over = {"sync": ["swimlane.mode=sync", "swimlane.driver=serial"], "async": [],
-            "autotune": ["swimlane.env_groups=2", "swimlane.autotune=true", "swimlane.autotune_window_s=0.5"]}
+    over = {"sync": ["swimlane.mode=sync", "swimlane.driver=serial"], "async": [], "turns": ["swimlane.take_turns=true"],
+            "autotune": ["swimlane.env_groups=2", "swimlane.autotune=true",
+                         f"swimlane.autotune_window_s={args.window_s}"]}
     s = Swimlane(apply_overrides(cfg, over[setting])).run()
     return s["env_steps"] / s["wall_s"]
 
@@ -151,10 +187,13 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--minibatches", type=int, default=4)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--window-s", type=float, default=1.0, help="autotune's measuring window")
+    p.add_argument("--settings", default="sync,async,turns,autotune,procs,procs_autotune",
+                   help="which dvla settings to run")
     args = p.parse_args()
     torch.set_num_threads(1)
     algo = AlgoConfig(name="ppo", update_epochs=args.epochs, minibatches=args.minibatches)
-    names = ["reference", "sync", "async", "autotune"]
+    names = ["reference", *args.settings.split(",")]
     got: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,7 +215,7 @@ def main() -> None:
     print(f"median ({args.gym_id}, {args.n_envs} envs, T={args.t_len}): "
           + ", ".join(f"{n} {statistics.median(got[n]):.0f}" for n in names) + " env steps/s; vs reference "
           + ", ".join(f"{n} {statistics.median(ratios[n]):.2f}x" for n in names[1:])
-          + " (targets: sync >= 0.9x, autotune >= 1.0x)")
+          + " (targets: sync >= 0.9x, autotuned >= 1.0x)")
 
 
 if __name__ == "__main__":

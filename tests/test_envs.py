@@ -189,3 +189,15 @@ def test_render_cost_shifts_after_phase_after_renders():
     assert max(took[:2]) < 0.015 and min(took[3:]) >= 0.02  # renders 1-3 cheap, from the 4th on 20 ms
     with pytest.raises(ConfigError, match="phase_after"):
         fast(options={"phase_after": -1})
+    # options.phase_after_s: the same shift after that many seconds since the env was built.
+    env = fast(n=2, options={"render_cost_ms": 0.0, "phase_after_s": 0.3, "render_cost_ms_after": 20.0})
+    env.reset()
+    t0 = time.perf_counter()
+    env.step(torch.zeros(2, 2))
+    assert time.perf_counter() - t0 < 0.015
+    time.sleep(0.3)
+    t0 = time.perf_counter()
+    env.step(torch.zeros(2, 2))
+    assert time.perf_counter() - t0 >= 0.02
+    with pytest.raises(ConfigError, match="phase_after_s"):
+        fast(options={"phase_after_s": -1.0})

@@ -19,7 +19,9 @@ It runs thousands of steps per second, which makes it the env of choice for test
 and for measuring framework overhead; ``options.render_cost_ms`` adds that much CPU work
 per rendered observation to imitate a slow simulator in benchmarks, and
 ``options.phase_after=N`` switches it to ``options.render_cost_ms_after`` once the env has
-rendered N observations (a workload whose phases shift mid-run). The work (hashing a
+rendered N observations, ``options.phase_after_s=S`` once S seconds have passed since it was
+built (a workload whose phases shift mid-run; in seconds, the shift comes at the same time
+however many env groups share the work). The work (hashing a
 buffer) runs in native code with the GIL released, as a C++/CUDA simulator's would, so
 other threads (inference, learning) can overlap with it.
 """
@@ -48,7 +50,7 @@ COLORS = {
 class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
                "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0,
-               "phase_after": 0, "render_cost_ms_after": 0.0}
+               "phase_after": 0, "phase_after_s": 0.0, "render_cost_ms_after": 0.0}
     WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
@@ -65,7 +67,7 @@ class FastReachEnv(GoalEnv):
         n = opts["n_targets"]
         if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(COLORS)):
             raise ConfigError(f"env.options.n_targets: must be an integer in [1, {len(COLORS)}], got {n!r}")
-        for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after"):
+        for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after", "phase_after_s"):
             v = opts[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
@@ -92,6 +94,7 @@ class FastReachEnv(GoalEnv):
         self.success_threshold = float(opts["radius"])
         self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
         self.phase_after, self.render_cost_after_s = int(opts["phase_after"]), float(opts["render_cost_ms_after"]) / 1e3
+        self.phase_at = time.perf_counter() + float(opts["phase_after_s"]) if opts["phase_after_s"] else None
         self.renders = 0
         self.wrist = int(opts["wrist_camera"])
         self.long_tail, self.long_tail_cap = float(opts["long_tail"]), float(opts["long_tail_cap"])
@@ -159,7 +162,9 @@ class FastReachEnv(GoalEnv):
             img += blob(self.targets[:, j]) * self._colors[j].view(1, 3, 1, 1)
         img += blob(self.pos) * 255.0
         self.renders += around is None
-        cost = self.render_cost_after_s if self.phase_after and self.renders > self.phase_after else self.render_cost_s
+        shifted = (self.phase_after and self.renders > self.phase_after) or (
+            self.phase_at is not None and time.perf_counter() >= self.phase_at)
+        cost = self.render_cost_after_s if shifted else self.render_cost_s
         if cost > 0:
             end = time.perf_counter() + cost
             while time.perf_counter() < end:
