@@ -292,8 +292,10 @@ class SwimlaneConfig:
     steps). It moves one knob at a time within bounds, keeps a move that raised throughput,
     reverts one that did not, and stops once no move helps, until the throughput shifts.
     Knobs: the env groups that step (1 to ``env_groups``), how long a forward pass waits
-    for more groups' requests (0 to 8 ms), ``take_turns`` and the gradient lane's
-    niceness (0 to 15).
+    for more groups' requests (0 to 8 ms), ``take_turns``, the gradient lane's niceness (0
+    to 15), torch's intra-op threads (1 to the CPUs) and whether the gradient lane and the
+    rollout lanes run on separate halves of the CPUs (thread affinity). Simulator threads
+    are not a knob: genesis fixes its CPU threads when it starts.
     Its decisions are logged and go into the metrics (``autotune_*``). False: the static
     config."""
     autotune_window_s: float = 2.0

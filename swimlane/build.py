@@ -314,18 +314,45 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
     return source, sink, expected
 
 
-def tuner_for(sl: SwimlaneConfig, lane, inference, gradient_tid: Callable[[], int | None], ledger,
+class CpuSplit:
+    """An autotune knob: the gradient lane's thread on one half of the rank's CPUs and the
+    rollout lanes' threads on the other (off: every thread may run on all of them)."""
+
+    ROLLOUT = ("sampling", "inference")
+
+    def __init__(self, cpus: list[int], tids: Callable[[], dict[str, int]]):
+        self.cpus, self.tids, self.on = cpus, tids, False
+
+    def set(self, on: int) -> None:
+        half = len(self.cpus) // 2
+        for lane, tid in self.tids().items():
+            if not on:
+                cpus = self.cpus
+            else:
+                cpus = self.cpus[half:] if lane == "gradient" else self.cpus[:half] if lane in self.ROLLOUT else None
+            if cpus is not None:
+                os.sched_setaffinity(tid, cpus)
+        self.on = bool(on)
+
+
+def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, int]], ledger,
               tracer, turns) -> Tuner | None:
     """The resource manager of an async rank (``swimlane.autotune``), or None. Its knobs:
     the env groups that step (``lane.active``), how long a forward pass waits for more
     groups' requests (``inference.wait_s``, in ms), whether the sampling lane runs the
     whether the lanes take turns (``turns``, the rank's :class:`swimlane.lanes.turns.Turns`:
-    ``swimlane.take_turns``) and the gradient lane's niceness."""
+    ``swimlane.take_turns``), the gradient lane's niceness, torch's intra-op threads and
+    whether the gradient lane's thread and the rollout lanes' threads run on separate halves
+    of the rank's CPUs (``split_cpus``). ``tids()``: the lanes' native thread ids by lane
+    name, of those running."""
     if not sl.autotune:
         return None
 
     def set_groups(v: int) -> None:
         lane.active = v
+
+    def gradient_tid() -> int | None:
+        return tids().get("gradient")
 
     def get_nice() -> int:
         tid = gradient_tid()
@@ -347,5 +374,11 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, gradient_tid: Callable[[], in
                                 set_wait))
     if gradient_tid() is not None or sl.gradient_nice:
         settings.append(Setting(Knob("gradient_nice", 0, 15, step=5), get_nice, set_nice))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) > 1:
+        settings.append(Setting(Knob("torch_threads", 1, len(cpus)), torch.get_num_threads, torch.set_num_threads))
+        if gradient_tid() is not None:
+            split = CpuSplit(cpus, tids)
+            settings.append(Setting(Knob("split_cpus", 0, 1), lambda: int(split.on), split.set))
     prefer = {"sampling": ("gradient_nice", 1), "gradient": ("env_groups", -1), "inference": ("inference_wait_ms", 1)}
     return Tuner(settings, ledger=ledger, tracer=tracer, window_s=sl.autotune_window_s, log=log, prefer=prefer)

@@ -116,7 +116,7 @@ class RankLanes:
         self.time_up = False  # run.time_limit_s reached
         self._sampling: SamplingLane | None = None
         self._inference: InferenceLane | None = None
-        self._gradient_tid: int | None = None  # the gradient lane's thread, for swimlane.autotune
+        self._tids: dict[str, int] = {}  # the lanes' native thread ids, for swimlane.autotune
         self.tuner = None  # swimlane.autotune's, once the lanes it adjusts run
         self.turns = Turns(self.sl.take_turns)  # overlapping lanes, or taking turns (an autotune knob)
         self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
@@ -206,14 +206,15 @@ class RankLanes:
     # -- sampling and inference lanes ---------------------------------------------------
 
     def _sampling_lane(self) -> None:
+        self._tids["sampling"] = threading.get_native_id()
         self._sampling = self._make_sampling()
         self._sampling.run()
 
     def _autotune_tick(self) -> None:
         """From the supervisor: once the lanes it adjusts run, the resource manager's window."""
         if self.tuner is None and self.sl.autotune and self._sampling is not None and self._inference is not None and (
-                not self.is_learner or self._gradient_tid is not None):
-            self.tuner = tuner_for(self.sl, self._sampling, self._inference, lambda: self._gradient_tid, self.ledger,
+                not self.is_learner or "gradient" in self._tids):
+            self.tuner = tuner_for(self.sl, self._sampling, self._inference, lambda: dict(self._tids), self.ledger,
                                    self.tracer, self.turns)
         if self.tuner is not None:
             self.tuner.maybe_tick()
@@ -238,6 +239,7 @@ class RankLanes:
         )
 
     def _inference_lane(self) -> None:
+        self._tids["inference"] = threading.get_native_id()
         self._inference = self._make_inference()
         self._inference.run(self._rollout_stopping)
 
@@ -256,7 +258,7 @@ class RankLanes:
         return self.sl.env_groups * max(1, len(self.expected_senders))
 
     def _gradient_lane(self) -> None:
-        self._gradient_tid = threading.get_native_id()
+        self._tids["gradient"] = threading.get_native_id()
         if self.sl.gradient_nice:
             lower_thread_priority(self.sl.gradient_nice)
         lane = self._make_learner()

@@ -83,8 +83,8 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     lanes.run()
     decisions = lanes.tuner.controller.decisions
-    assert decisions and all(d.knob in ("env_groups", "gradient_nice", "inference_wait_ms", "take_turns")
-                             for d in decisions)
+    assert decisions and all(d.knob in ("env_groups", "gradient_nice", "inference_wait_ms", "take_turns",
+                                        "torch_threads", "split_cpus") for d in decisions)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     tuned = [r for r in rows if "autotune_env_groups" in r]
     assert tuned and all(1 <= r["autotune_env_groups"] <= 3 and 0 <= r["autotune_gradient_nice"] <= 15
@@ -146,3 +146,54 @@ def test_the_tuner_measures_whole_chunks_and_waits_for_one():
     ledger.changed["env_steps_live"] = t0 + 1.5
     p = tuner.profile()
     assert p.steps_per_s == pytest.approx(1000) and p.idle_env_share == pytest.approx(0.5)
+
+
+def test_cpu_knobs_pin_the_lanes_threads_and_set_torch_threads():
+    """The CPU quota knobs on real threads: split_cpus puts the gradient lane's thread on one
+    half of the rank's CPUs and the rollout lanes' threads on the other, and back;
+    torch_threads sets torch's intra-op threads."""
+    import os
+    import threading
+    from types import SimpleNamespace
+
+    import torch
+
+    from dvla.config import SwimlaneConfig
+    from swimlane.build import tuner_for
+    from swimlane.lanes.turns import Turns
+    from swimlane.ledger import Ledger
+    from swimlane.trace import Tracer
+
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs thread affinity and two CPUs")
+    tids, release, started = {}, threading.Event(), threading.Barrier(4)
+
+    def lane(name):
+        tids[name] = threading.get_native_id()
+        started.wait()
+        release.wait(30)
+
+    threads = [threading.Thread(target=lane, args=(n,), daemon=True) for n in ("sampling", "inference", "gradient")]
+    for t in threads:
+        t.start()
+    started.wait()
+    cpus = sorted(os.sched_getaffinity(0))
+    half, threads_before = len(cpus) // 2, torch.get_num_threads()
+    try:
+        tuner = tuner_for(SwimlaneConfig(autotune=True, env_groups=1), SimpleNamespace(active=1),
+                          SimpleNamespace(wait_s=0.0), lambda: dict(tids), Ledger(), Tracer(), Turns())
+        knobs = tuner.settings
+        assert {"env_groups", "take_turns", "gradient_nice", "torch_threads", "split_cpus"} <= knobs.keys()
+        knobs["split_cpus"].set(1)
+        assert sorted(os.sched_getaffinity(tids["gradient"])) == cpus[half:] and knobs["split_cpus"].get() == 1
+        assert sorted(os.sched_getaffinity(tids["sampling"])) == cpus[:half]
+        assert sorted(os.sched_getaffinity(tids["inference"])) == cpus[:half]
+        knobs["split_cpus"].set(0)
+        assert all(sorted(os.sched_getaffinity(t)) == cpus for t in tids.values())
+        knobs["torch_threads"].set(2)
+        assert torch.get_num_threads() == 2 == knobs["torch_threads"].get()
+    finally:
+        torch.set_num_threads(threads_before)
+        release.set()
+        for t in threads:
+            t.join(5)
