@@ -339,8 +339,7 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, 
               tracer, turns) -> Tuner | None:
     """The resource manager of an async rank (``swimlane.autotune``), or None. Its knobs:
     the env groups that step (``lane.active``), how long a forward pass waits for more
-    groups' requests (``inference.wait_s``, in ms), whether the sampling lane runs the
-    whether the lanes take turns (``turns``, the rank's :class:`swimlane.lanes.turns.Turns`:
+    groups' requests (``inference.wait_s``, in ms), whether the lanes take turns (``turns``, the rank's :class:`swimlane.lanes.turns.Turns`:
     ``swimlane.take_turns``), the gradient lane's niceness, torch's intra-op threads and
     whether the gradient lane's thread and the rollout lanes' threads run on separate halves
     of the rank's CPUs (``split_cpus``). ``tids()``: the lanes' native thread ids by lane

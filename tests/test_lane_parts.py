@@ -218,6 +218,29 @@ def test_taking_turns_answers_inline_and_holds_one_lock():
     assert not thread.is_alive()
 
 
+def test_taking_turns_before_the_inference_lane_exists_waits_for_it():
+    """The sampling lane may ask for actions before the rank has built its inference lane:
+    with turns on it asks again after each wait, rather than wait for a thread that idles."""
+    import threading
+
+    from swimlane.admission import Admission
+    from swimlane.lanes.turns import Turns
+
+    sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach(groups=1, turns=Turns(on=True))
+    built = threading.Event()
+    sampling.serve = lambda: built.is_set() and inference.serve()
+    threading.Timer(0.2, built.set).start()
+    sampling.admission = Admission(0, 1, 1, 1)
+    sampling.parked = [0]
+    sampling.start_admitted()
+    steps = threading.Thread(target=lambda: [sampling.step() for _ in range(3)], daemon=True)
+    steps.start()
+    steps.join(10)
+    alive = steps.is_alive()
+    sampling.stop.set()  # (lets a stuck lane end)
+    assert not alive and ledger["chunks_sent"] == 1 and built.is_set()
+
+
 def test_snapshot_slot_hands_over_the_newest_version_and_skips_when_busy():
     import threading
 

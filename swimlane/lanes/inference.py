@@ -24,10 +24,10 @@ class InferenceLane:
     (one forward pass for all groups), after waiting up to :attr:`wait_s` for more while fewer
     than ``groups`` have come; in sync mode one at a time.
 
-While the rank's lanes take turns (``turns``, :mod:`swimlane.lanes.turns`) the sampling lane
-answers its own requests, in its thread (:meth:`serve`), and this lane's thread idles:
-handing every step to another thread and back costs two thread wake-ups, which on a cheap
-task or too few cores outweighs the overlap the hand-off buys."""
+    While the rank's lanes take turns (``turns``, :mod:`swimlane.lanes.turns`) the sampling
+    lane answers its own requests, in its thread (:meth:`serve`), and this lane's thread
+    idles: handing every step to another thread and back costs two thread wake-ups, which on
+    a cheap task or too few cores outweighs the overlap the hand-off buys."""
 
     def __init__(self, *, requests: Channel[Request], replies: Channel[Reply], weights: DoubleBufferedWeights,
                  generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05,

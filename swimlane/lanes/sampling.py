@@ -194,16 +194,19 @@ class SamplingLane:
         return res
 
     def next_reply(self) -> Reply | None:
-        if self.turns.on:  # inline: answer our own request
-            with self.turns():
-                served = self.serve()
-            if served and (reply := self.replies.get(0.0)) is not None:
-                return reply
-        with self.tracer.span("sampling", "wait"):
-            while not self.stopping():
-                reply = self.replies.get(self.cfg.poll_s)
-                if reply is not None:
+        """The next reply (None once the lane stops). While the lanes take turns, answer our
+        own requests first, and again after each wait: the inference lane may not exist yet,
+        or its thread may hold a request it took just before the switch."""
+        while not self.stopping():
+            if self.turns.on:
+                with self.turns():
+                    self.serve()
+                if (reply := self.replies.get(0.0)) is not None:
                     return reply
+            with self.tracer.span("sampling", "wait"):
+                reply = self.replies.get(self.cfg.poll_s)
+            if reply is not None:
+                return reply
         return None
 
     # -- the lane -------------------------------------------------------------------------
