@@ -294,8 +294,9 @@ class SwimlaneConfig:
     Knobs: the env groups that step (1 to ``env_groups``), how long a forward pass waits
     for more groups' requests (0 to 8 ms), ``take_turns``, the gradient lane's niceness (0
     to 15), torch's intra-op threads (1 to the CPUs) and whether the gradient lane and the
-    rollout lanes run on separate halves of the CPUs (thread affinity). Simulator threads
-    are not a knob: genesis fixes its CPU threads when it starts.
+    rollout lanes run on separate halves of the CPUs (thread affinity); on a GPU with
+    ``cuda_streams``, the inference stream's priority. Simulator threads are not a knob:
+    genesis fixes its CPU threads when it starts.
     Its decisions are logged and go into the metrics (``autotune_*``). False: the static
     config."""
     autotune_window_s: float = 2.0

@@ -342,8 +342,9 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, 
     groups' requests (``inference.wait_s``, in ms), whether the lanes take turns (``turns``, the rank's :class:`swimlane.lanes.turns.Turns`:
     ``swimlane.take_turns``), the gradient lane's niceness, torch's intra-op threads and
     whether the gradient lane's thread and the rollout lanes' threads run on separate halves
-    of the rank's CPUs (``split_cpus``). ``tids()``: the lanes' native thread ids by lane
-    name, of those running."""
+    of the rank's CPUs (``split_cpus``), and on a GPU with ``swimlane.cuda_streams``
+    whether the inference stream runs at the highest priority (``inference_priority``).
+    ``tids()``: the lanes' native thread ids by lane name, of those running."""
     if not sl.autotune:
         return None
 
@@ -379,5 +380,9 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, 
         if gradient_tid() is not None:
             split = CpuSplit(cpus, tids)
             settings.append(Setting(Knob("split_cpus", 0, 1), lambda: int(split.on), split.set))
+    stream = getattr(inference, "stream", None)
+    if stream is not None and stream.can_prioritise:
+        settings.append(Setting(Knob("inference_priority", 0, 1), lambda: int(stream.high_priority),
+                                lambda v: stream.set_high_priority(bool(v))))
     prefer = {"sampling": ("gradient_nice", 1), "gradient": ("env_groups", -1), "inference": ("inference_wait_ms", 1)}
     return Tuner(settings, ledger=ledger, tracer=tracer, window_s=sl.autotune_window_s, log=log, prefer=prefer)

@@ -30,23 +30,46 @@ class LaneStream:
         most GPUs; see ``torch.cuda.Stream.priority_range``)."""
         self.device = device
         self.stream = None
+        self._streams: dict[bool, torch.cuda.Stream] = {}  # high priority? -> stream
         if enabled and device.type == "cuda":
             lo, hi = torch.cuda.Stream.priority_range()  # (0, -n): lower is higher priority
             self.stream = torch.cuda.Stream(device, priority=max(min(priority, lo), hi))
+            self._streams[self.stream.priority < lo] = self.stream
+            self._lowest, self._highest = lo, hi
+
+    @property
+    def can_prioritise(self) -> bool:
+        """Whether :meth:`set_high_priority` has two priorities to choose from (CUDA only)."""
+        return self.stream is not None and self._lowest != self._highest
+
+    @property
+    def high_priority(self) -> bool:
+        return self.stream is not None and self.stream.priority < self._lowest
+
+    def set_high_priority(self, high: bool) -> None:
+        """Run the following blocks on a stream of the highest (or the lowest) priority. A
+        block in progress finishes on its stream (:meth:`use` waits for it at the end), so
+        the switch needs no synchronisation. (``swimlane.autotune`` moves it.)"""
+        if not self.can_prioritise:
+            raise OSError("stream priorities need a CUDA stream with a priority range")
+        if high not in self._streams:
+            self._streams[high] = torch.cuda.Stream(self.device, priority=self._highest if high else self._lowest)
+        self.stream = self._streams[high]
 
     @contextlib.contextmanager
     def use(self) -> Iterator[None]:
         """Run the block's device work on this stream; on leaving, wait until it is done."""
-        if self.stream is None:
+        stream = self.stream  # (a priority switch takes effect at the next block)
+        if stream is None:
             yield
             return
         # The stream starts after what the thread's current stream already queued.
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(self.stream):
+            with torch.cuda.stream(stream):
                 yield
         finally:
-            self.stream.synchronize()
+            stream.synchronize()
 
     def hand_over(self, tensors) -> None:
         """Mark device ``tensors`` made on this stream as used by the default stream, where

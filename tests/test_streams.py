@@ -32,6 +32,32 @@ def test_lane_streams_are_a_no_op_on_the_cpu():
         t.add_(1)
     s.hand_over([t])  # nothing to mark on the CPU
     assert torch.equal(t, torch.full((3,), 2.0))
+    assert not s.can_prioritise and not s.high_priority  # no priority knob for autotune here
+    with pytest.raises(OSError, match="CUDA stream"):
+        s.set_high_priority(True)
+
+
+@cuda
+def test_cuda_inference_stream_priority_switches_between_blocks():
+    """swimlane.autotune's inference_priority knob: the next block runs on a stream of the
+    highest or the lowest priority, and a result made on either is the same."""
+    device = torch.device("cuda")
+    s = LaneStream(device, priority=-1)
+    lo, hi = torch.cuda.Stream.priority_range()
+    if lo == hi:
+        pytest.skip("this GPU has one stream priority")
+    assert s.can_prioritise and s.high_priority and s.stream.priority == hi
+    x = torch.arange(1000.0, device=device)
+    with s.use():
+        high = (x * 2).sum()
+    s.set_high_priority(False)
+    assert not s.high_priority and s.stream.priority == lo
+    with s.use():
+        assert torch.cuda.current_stream(device) == s.stream
+        low = (x * 2).sum()
+    assert torch.equal(high, low)
+    s.set_high_priority(True)
+    assert s.stream.priority == hi
 
 
 def _policy_and_batch(device):
