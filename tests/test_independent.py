@@ -199,10 +199,14 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation_and_gae_runs_
     assert adv2[:2, 0].tolist() == pytest.approx([e[0] + g * lam * e[1], e[1]])
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["sync", "async", "autotune"])
 def test_a_run_with_independent_envs_learns_fast_reach(tmp_path, mode):
+    """Learning rises with envs on their own clock, in both modes and with autotune moving
+    the knobs (its decisions included) while it learns."""
+    tuned = ["swimlane.autotune=true", "swimlane.autotune_window_s=0.3"] if mode == "autotune" else []
     lanes = Swimlane(apply_overrides(fast_reach(), [
-        "swimlane.independent_envs=true", f"swimlane.mode={mode}", "swimlane.max_staleness=2",
+        "swimlane.independent_envs=true", f"swimlane.mode={'sync' if mode == 'sync' else 'async'}", *tuned,
+        "swimlane.max_staleness=2",
         "run.iterations=40", "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=2",
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     summary = lanes.run()
@@ -212,6 +216,9 @@ def test_a_run_with_independent_envs_learns_fast_reach(tmp_path, mode):
     success = [r["success_rate"] for r in rows]
     first, last = sum(success[:8]) / 8, sum(success[-8:]) / 8
     assert last > first + 0.12, (first, last)
+    if mode == "autotune":
+        assert lanes.tuner is not None and lanes.tuner.controller.decisions
+        assert rows[-1]["autotune_decisions"] >= 1
 
 
 def test_a_gym_vector_env_restarts_single_envs():
