@@ -2,7 +2,9 @@
 stage profiles measured while it runs (issue #20; ``swimlane.autotune``).
 
 A :class:`Profile` is one measuring window: the useful env steps per second and, for the
-reasons it gives, each lane's busy share and the idle env-step share. :class:`Controller`
+reasons it gives, each lane's busy share, the idle env-step share and the process's CPU
+share (lanes busy for a core or more in a process that ran on little more than one of
+its cores were contending for the GIL). :class:`Controller`
 climbs the throughput one knob step at a time:
 
 * it tries one move (a knob up or down by its step, within its bounds), trying first the
@@ -20,6 +22,7 @@ report. The controller is pure: the caller measures and applies.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -50,11 +53,22 @@ class Profile:
     steps_per_s: float  # useful env steps per second
     busy: dict[str, float] = field(default_factory=dict)  # lane -> busy share of the window, 0..1
     idle_env_share: float = 0.0  # env steps of ended episodes waiting, over all env steps
+    cpu_share: float | None = None  # the process's CPU seconds per second of the window
+    cores: int = 1  # the CPUs the process may run on
 
     @property
     def bottleneck(self) -> str | None:
         """The busiest lane (None without lane times)."""
         return max(self.busy, key=self.busy.get) if self.busy else None
+
+    @property
+    def contended(self) -> bool:
+        """The lanes together were busy for about a core or more, yet the process ran on
+        little more than one of its cores: their threads take turns on the GIL anyway, and
+        pay for the hand-offs between them."""
+        if self.cpu_share is None or self.cores < 2:
+            return False
+        return sum(self.busy.values()) >= 0.9 and self.cpu_share <= 1.25
 
 
 @dataclass(frozen=True)
@@ -102,11 +116,15 @@ class Controller:
         return out
 
     def suggest(self, profile: Profile) -> tuple[str, int] | None:
-        """The next move to try: the one the bottleneck points at, else the first untried."""
+        """The next move to try: the one contention (:attr:`Profile.contended`, key
+        ``"contention"`` in ``prefer``) or else the bottleneck points at, else the first
+        untried."""
         moves = self.moves()
         if not moves:
             return None
-        hint = self.prefer.get(profile.bottleneck or "")
+        hint = self.prefer.get("contention") if profile.contended else None
+        if hint not in moves:
+            hint = self.prefer.get(profile.bottleneck or "")
         return hint if hint in moves else moves[0]
 
     def _decide(self, knob: str, new: int, reason: str) -> Decision:
@@ -148,6 +166,9 @@ class Controller:
         why = f"try: {sps:.0f} steps/s, {profile.idle_env_share:.0%} of env steps idle"
         if profile.bottleneck is not None:
             why += f", {profile.bottleneck} busiest ({profile.busy[profile.bottleneck]:.0%})"
+        if profile.contended:
+            why += (f", lanes busy {sum(profile.busy.values()):.2f} cores while the process ran "
+                    f"{profile.cpu_share:.2f} of {profile.cores}")
         out.append(self._decide(name, new, why))
         self.trial = (name, old, d)
         return out
@@ -203,6 +224,8 @@ class Tuner:
         self.ledger, self.clock, self.window_s, self.log = ledger, LaneClock(tracer), window_s, log
         now = time.perf_counter()
         self.last = (now, ledger["env_steps_live"], ledger["env_steps_idle"], now)  # (chunk time, counts, wall)
+        self.cpu = time.process_time()  # CPU seconds of every thread of the process
+        self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.clock.busy()  # spans before the first window do not count
 
     def profile(self) -> Profile | None:
@@ -214,10 +237,13 @@ class Tuner:
             return None
         stamp = self.ledger.changed.get("env_steps_live", now)
         self.last = (stamp, live, idle, now)
-        busy = {lane: s / max(now - wall0, 1e-9) for lane, s in self.clock.busy().items()}
+        cpu, self.cpu = self.cpu, time.process_time()
+        wall = max(now - wall0, 1e-9)
+        busy = {lane: s / wall for lane, s in self.clock.busy().items()}
         steps = (live - live0) + (idle - idle0)
         return Profile(steps_per_s=(live - live0) / max(stamp - t0, 1e-9), busy=busy,
-                       idle_env_share=(idle - idle0) / max(steps, 1))
+                       idle_env_share=(idle - idle0) / max(steps, 1), cpu_share=(self.cpu - cpu) / wall,
+                       cores=self.cores)
 
     def tick(self) -> list[Decision]:
         """Measure the window that just ended and apply what the controller decides."""

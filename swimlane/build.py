@@ -384,5 +384,6 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, 
     if stream is not None and stream.can_prioritise:
         settings.append(Setting(Knob("inference_priority", 0, 1), lambda: int(stream.high_priority),
                                 lambda v: stream.set_high_priority(bool(v))))
-    prefer = {"sampling": ("gradient_nice", 1), "gradient": ("env_groups", -1), "inference": ("inference_wait_ms", 1)}
+    prefer = {"sampling": ("gradient_nice", 1), "gradient": ("env_groups", -1), "inference": ("inference_wait_ms", 1),
+              "contention": ("take_turns", 1)}
     return Tuner(settings, ledger=ledger, tracer=tracer, window_s=sl.autotune_window_s, log=log, prefer=prefer)

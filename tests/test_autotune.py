@@ -69,6 +69,27 @@ def test_it_tries_first_what_the_bottleneck_points_at_and_stays_in_bounds():
         Controller([], {})
 
 
+def test_lanes_contending_for_the_process_make_it_try_taking_turns_first():
+    """Lanes busy for a core or more in a process that ran on little more than one of its
+    cores (threads taking turns on the GIL) point at taking turns; lanes that ran in
+    parallel, or a process with one core, point at the bottleneck."""
+    def ctl():
+        return Controller([Knob("groups", 1, 2), Knob("take_turns", 0, 1), Knob("nice", 0, 10, step=5)],
+                          {"groups": 2, "take_turns": 0, "nice": 0},
+                          prefer={"sampling": ("nice", 1), "contention": ("take_turns", 1)})
+
+    busy = {"sampling": 0.6, "inference": 0.3, "gradient": 0.5}
+    gil = Profile(steps_per_s=100.0, busy=busy, cpu_share=1.02, cores=2)
+    assert gil.contended
+    first = ctl().observe(gil)
+    assert [(d.knob, d.new) for d in first] == [("take_turns", 1)]
+    assert "lanes busy 1.40 cores while the process ran 1.02 of 2" in first[0].reason
+    parallel = Profile(steps_per_s=100.0, busy=busy, cpu_share=1.7, cores=2)
+    assert not parallel.contended and not Profile(steps_per_s=100.0, busy=busy).contended
+    assert not Profile(steps_per_s=100.0, busy=busy, cpu_share=0.98, cores=1).contended
+    assert [(d.knob, d.new) for d in ctl().observe(parallel)] == [("nice", 5)]
+
+
 def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
     """swimlane.autotune on a live async run: windows measured, knobs moved within their
     bounds, the values and the count of decisions in every metrics row."""
