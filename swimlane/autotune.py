@@ -9,8 +9,11 @@ climbs the throughput one knob step at a time:
 
 * it tries one move (a knob up or down by its step, within its bounds), trying first the
   knob the profile points at (:meth:`Controller.suggest`);
-* it keeps a move that raised throughput by more than ``tolerance``, and reverts one that
-  did not, marking it tried;
+* it keeps a move that raised throughput by more than ``tolerance`` over the window just
+  before it, and reverts one that did not, marking it tried; after a revert it measures
+  the restored values again for a window before the next move, so that every move is
+  judged against a neighbouring window (a lucky window does not become a bar that every
+  later move fails);
 * once no untried move is left it has **converged** and stops moving: a stationary workload
   sees no oscillation;
 * it explores again when throughput drifts from the level it converged at by more than
@@ -96,6 +99,7 @@ class Controller:
         self.window = 0
         self.best: float | None = None  # throughput at the current values
         self.trial: tuple[str, int, int] | None = None  # (knob, old value, direction) being tried
+        self.remeasure = False  # the last trial was reverted: measure the restored values first
         self.tried: set[tuple[str, int]] = set()  # moves from the current values that did not help
         self.converged = False
         self.decisions: list[Decision] = []
@@ -147,6 +151,10 @@ class Controller:
             else:
                 out.append(self._decide(name, old, f"revert: {sps:.0f} steps/s, {gain:+.1%} from {self.best:.0f}"))
                 self.tried.add((name, d))
+                self.remeasure = True
+                return out
+        elif self.remeasure:
+            self.best, self.remeasure = sps, False
         elif self.best is None:
             self.best = sps
         elif self.converged:
@@ -214,7 +222,10 @@ class Tuner:
     over the time they took. A window in which no chunk was counted is extended."""
 
     def __init__(self, settings: list[Setting], *, ledger, tracer, window_s: float, log=None,
-                 prefer: dict[str, tuple[str, int]] | None = None):
+                 prefer: dict[str, tuple[str, int]] | None = None, min_chunks: int = 4):
+        """A window lasts ``window_s`` and at least ``min_chunks`` chunks sent: a rate over one
+        or two chunks of a pipelined rank varies by a fifth from window to window (genesis,
+        2 s windows), which no tolerance tells from a move's effect."""
         self.settings = {s.knob.name: s for s in settings}
         self.controller = Controller([s.knob for s in settings], {s.knob.name: s.get() for s in settings},
                                      prefer=prefer)
@@ -225,6 +236,8 @@ class Tuner:
         now = time.perf_counter()
         self.last = (now, ledger["env_steps_live"], ledger["env_steps_idle"], now)  # (chunk time, counts, wall)
         self.cpu = time.process_time()  # CPU seconds of every thread of the process
+        self.warm = False  # the first window has passed
+        self.min_chunks, self.chunks = min_chunks, ledger["chunks_sent"]
         self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self.clock.busy()  # spans before the first window do not count
 
@@ -246,9 +259,14 @@ class Tuner:
                        cores=self.cores)
 
     def tick(self) -> list[Decision]:
-        """Measure the window that just ended and apply what the controller decides."""
+        """Measure the window that just ended and apply what the controller decides. The
+        first window, while the pipeline fills (no update may have run yet), only starts
+        the clock."""
         profile = self.profile()
         if profile is None:
+            return []
+        if not self.warm:
+            self.warm = True
             return []
         decisions = self.controller.observe(profile)
         for d in decisions:
@@ -265,8 +283,13 @@ class Tuner:
         return decisions
 
     def maybe_tick(self) -> list[Decision]:
-        """:meth:`tick` once ``window_s`` has passed since the last window began."""
-        return self.tick() if time.perf_counter() - self.last[3] >= self.window_s else []
+        """:meth:`tick` once ``window_s`` has passed since the last window began and
+        ``min_chunks`` chunks have been sent."""
+        if time.perf_counter() - self.last[3] < self.window_s or (
+                self.ledger["chunks_sent"] - self.chunks < self.min_chunks):
+            return []
+        self.chunks = self.ledger["chunks_sent"]
+        return self.tick()
 
     def metrics(self) -> dict[str, float]:
         """The knobs' current values and the decisions so far, for the metrics rows."""

@@ -69,6 +69,22 @@ def test_it_tries_first_what_the_bottleneck_points_at_and_stays_in_bounds():
         Controller([], {})
 
 
+def test_after_a_revert_it_measures_again_so_a_lucky_window_sets_no_bar():
+    """A lucky first window (130 where the values give 100) must not make every later move
+    look worse: after reverting, the restored values are measured again, and a move worth
+    +10% over them is kept."""
+    ctl = Controller([Knob("x", 0, 1), Knob("y", 0, 1)], {"x": 0, "y": 0})
+
+    def f(v):
+        return 100.0 + 10.0 * v["y"] - 5.0 * v["x"]
+
+    assert [(d.knob, d.new) for d in ctl.observe(Profile(steps_per_s=130.0))] == [("x", 1)]
+    assert [(d.knob, d.new) for d in ctl.observe(Profile(steps_per_s=f(ctl.values)))] == [("x", 0)]  # revert only
+    assert [(d.knob, d.new) for d in ctl.observe(Profile(steps_per_s=f(ctl.values)))] == [("y", 1)]
+    kept = ctl.observe(Profile(steps_per_s=f(ctl.values)))  # 110 against the 100 just measured
+    assert ctl.values["y"] == 1 and all(d.knob != "y" for d in kept)
+
+
 def test_lanes_contending_for_the_process_make_it_try_taking_turns_first():
     """Lanes busy for a core or more in a process that ran on little more than one of its
     cores (threads taking turns on the GIL) point at taking turns; lanes that ran in
