@@ -300,7 +300,9 @@ class SwimlaneConfig:
     Its decisions are logged and go into the metrics (``autotune_*``). False: the static
     config."""
     autotune_window_s: float = 2.0
-    """Seconds per autotune measuring window."""
+    """Seconds per autotune measuring window, at least: a window also spans at least 4
+    chunks sent (a rate over fewer is too noisy to judge a move by), and the first one,
+    while the pipeline fills, only starts the clock."""
     take_turns: bool = False
     """Async mode, threads: the lanes take turns instead of overlapping. The sampling lane
     runs the forward passes itself (no hand-off to the inference thread and back each
