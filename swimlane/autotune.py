@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from swimlane.trace import IDLE_KINDS
+
 
 @dataclass(frozen=True)
 class Knob:
@@ -183,7 +185,6 @@ class Controller:
 
 
 # -- on a live run ------------------------------------------------------------------------
-IDLE_SPANS = frozenset({"wait", "throttle"})  # trace span kinds that are not work
 
 
 class LaneClock:
@@ -197,7 +198,7 @@ class LaneClock:
         new, self.seen = spans[self.seen:], len(spans)
         out: dict[str, float] = {}
         for lane, kind, start, end in new:
-            if kind not in IDLE_SPANS:
+            if kind not in IDLE_KINDS:
                 out[lane] = out.get(lane, 0.0) + end - start
         return out
 
