@@ -286,6 +286,13 @@ class SwimlaneConfig:
     learner too stale. An episode may start while the chunk before its own still fills, so
     it needs ``max_staleness >= 2``. False: episodes of a batch start together (sync mode's
     bit-exact reference)."""
+    segment_len: int = 0
+    """PPO with ``independent_envs``: chunks of this many consecutive decisions of every env
+    (a column runs across the env's resets and may start or end inside an episode; GAE
+    bootstraps at its end and at truncations inside it), instead of one whole episode per
+    column. Every env steps all the time (restarts are never held), so no env idles while
+    the slowest episode of its chunk finishes, and episodes longer than a chunk are fine.
+    0: one episode per column, ``env.episode_len`` decisions per chunk."""
     autotune: bool = False
     """Async mode: a resource manager adjusts the run while it runs, from stage profiles
     measured every ``autotune_window_s`` (useful env steps/s, lane busy shares, idle env
@@ -365,6 +372,10 @@ class SwimlaneConfig:
                                        "driver take turns already)"))
         if self.autotune_window_s <= 0:
             errs.append(("autotune_window_s", f"must be > 0, got {self.autotune_window_s}"))
+        if self.segment_len < 0:
+            errs.append(("segment_len", f"must be >= 0, got {self.segment_len}"))
+        elif self.segment_len and not self.independent_envs:
+            errs.append(("segment_len", "needs swimlane.independent_envs=true (a column runs across its env's resets)"))
         if self.max_staleness < 0:
             errs.append(("max_staleness", f"must be >= 0, got {self.max_staleness}"))
         elif self.independent_envs and self.max_staleness < 2:
@@ -412,6 +423,9 @@ class JobConfig:
                     f"({self.algo.group_size}), got {self.env.n_envs}",
                 )
             )
+        if self.swimlane.segment_len and self.algo.name != "ppo":
+            errs.append(("swimlane.segment_len", f"segments need algo.name=ppo ({self.algo.name} learns from whole "
+                                                 "episodes): set it to 0"))
         if self.algo.shard == "fsdp" and self.swimlane.learner_ranks < 2:
             errs.append(("algo.shard", "fsdp shards the learners over swimlane.learner_ranks, which is "
                                        f"{self.swimlane.learner_ranks}: set it to 2 or more, or algo.shard=none"))
@@ -421,6 +435,11 @@ class JobConfig:
                                                             "without data_plane.curve_keys_dir make fresh ones: "
                                                             "set curve_keys_dir (dvla keys DIR --ranks N)"))
         return errs
+
+    @property
+    def chunk_len(self) -> int:
+        """Decisions per chunk: ``swimlane.segment_len``, else ``env.episode_len``."""
+        return self.swimlane.segment_len or self.env.episode_len
 
     @property
     def sharded_learners(self) -> bool:

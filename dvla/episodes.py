@@ -14,7 +14,7 @@ episode that has ended:
   (``StepResult.final_obs``) and the next request asks for its value in extra rows after
   the env's B (:meth:`StreamRecorder.request_obs`), which :meth:`StreamRecorder.record`
   (or :meth:`StreamRecorder.fill`, for a value request) writes after the episode's last
-  step. GAE then runs per column, as on a batch.
+  step (``bootstrap``). GAE then runs per column, as on a batch.
 * GRPO: ``B / G`` groups of G episodes, each group from one initial state and all G ended.
   A member that ends early waits (idle, latched) for the others.
 
@@ -58,10 +58,31 @@ def rollout_fields(spec: EnvSpec, action_chunk: int, t_len: int, b: int, tokens:
            "rewards": ((t_len, b), f32), "terminated": ((t_len, b), torch.bool), "truncated": ((t_len, b), torch.bool),
            "valid": ((t_len, b), torch.bool), "policy_version": ((t_len, b), torch.int64),
            "success": ((b,), torch.bool), "group_ids": ((b,), torch.int64),
-           "action_valid": ((t_len, b, k), torch.bool), "action_log_probs": ((t_len, b, k, d), f32)}
+           "action_valid": ((t_len, b, k), torch.bool), "action_log_probs": ((t_len, b, k, d), f32),
+           "bootstrap": ((t_len, b), f32), "episode_sums": ((b, 4), f32)}
     out.update({CAMERAS_PREFIX + n: ((t_len, b, *shape), torch.uint8) for n, shape in (cameras or {}).items()})
     out.update({EXTRAS_PREFIX + n: ((t_len, b, *e.shape), e.dtype) for n, e in (extras or {}).items()})
     return out
+
+
+def step_row(obs: Observation, out: ActOutput, res: StepResult, version: int, live: Tensor,
+             cameras, extras) -> dict[str, Tensor]:
+    """One decision of every env of a group (``(B, ...)`` per chunk field): what it saw, did
+    and got. ``live``: the envs whose decision counts (the others' actions are masked)."""
+    b, k = live.shape[0], out.actions.shape[1]
+    executed = res.executed.cpu() if res.executed is not None else torch.full((b,), k)
+    action_valid = (torch.arange(k) < executed.unsqueeze(1)) & live.unsqueeze(1)
+    if out.log_prob_elements is not None:  # the behaviour log-prob of what the env applied
+        elements = out.log_prob_elements.cpu() * action_valid.unsqueeze(-1).to(torch.float32)
+        log_probs = elements.sum(dim=(1, 2))
+    else:
+        elements, log_probs = torch.zeros(b, k, out.actions.shape[2]), out.log_probs
+    return {"image": obs.image, "proprio": obs.proprio, "actions": out.actions, "action_valid": action_valid,
+            "action_log_probs": elements, "log_probs": log_probs, "values": out.values, "rewards": res.reward,
+            "terminated": res.terminated, "truncated": res.truncated, "valid": live,
+            "policy_version": torch.full((b,), version, dtype=torch.long),
+            **{CAMERAS_PREFIX + n: obs.cameras[n] for n in cameras},
+            **{EXTRAS_PREFIX + n: out.extras[n] for n in extras}}
 
 
 class _Chunk:
@@ -156,7 +177,7 @@ class StreamRecorder:
         that took a decision and those that waited for their group."""
         b = self.b
         if out.actions.shape[0] > b:
-            self.fill(out.values[b:])
+            self.fill(out.values)
             out = out.rows(0, b)
         live = self.live.clone()
         self._write(out, res, version, live)
@@ -166,6 +187,8 @@ class StreamRecorder:
         for i in ended.nonzero().squeeze(1).tolist():
             chunk, c = self.where[i], int(self.col[i])
             chunk.t["success"][c] = bool(res.success[i])
+            chunk.t["episode_sums"][c] = torch.tensor([1.0, float(res.success[i]), float(chunk.t["rewards"][:, c].sum()),
+                                                       float(self.pos[i])])
             if self.has_value and truncated[i]:
                 restarted_now = res.reset is not None and bool(res.reset[i])  # then res.obs is the new episode's
                 final = dataclasses.replace(observation_rows(res.final_obs if restarted_now else res.obs,
@@ -191,20 +214,7 @@ class StreamRecorder:
 
     def _write(self, out: ActOutput, res: StepResult, version: int, live: Tensor) -> None:
         """The step's row of every live env's column."""
-        obs, b, k = self.obs, self.b, out.actions.shape[1]
-        executed = res.executed.cpu() if res.executed is not None else torch.full((b,), k)
-        action_valid = (torch.arange(k) < executed.unsqueeze(1)) & live.unsqueeze(1)
-        if out.log_prob_elements is not None:  # the behaviour log-prob of what the env applied
-            elements = out.log_prob_elements.cpu() * action_valid.unsqueeze(-1).to(torch.float32)
-            log_probs = elements.sum(dim=(1, 2))
-        else:
-            elements, log_probs = torch.zeros(b, k, self.spec.action_dim), out.log_probs
-        row = {"image": obs.image, "proprio": obs.proprio, "actions": out.actions, "action_valid": action_valid,
-               "action_log_probs": elements, "log_probs": log_probs, "values": out.values, "rewards": res.reward,
-               "terminated": res.terminated, "truncated": res.truncated, "valid": live,
-               "policy_version": torch.full((b,), version, dtype=torch.long),
-               **{CAMERAS_PREFIX + n: obs.cameras[n] for n in self.cameras},
-               **{EXTRAS_PREFIX + n: out.extras[n] for n in self.extras}}
+        row = step_row(self.obs, out, res, version, live, self.cameras, self.extras)
         envs = live.nonzero().squeeze(1)
         for chunk in {id(self.where[i]): self.where[i] for i in envs.tolist()}.values():
             mine = envs[torch.tensor([self.where[i] is chunk for i in envs.tolist()])]
@@ -213,11 +223,13 @@ class StreamRecorder:
                 chunk.t[name][r, c] = x[mine.to(x.device)].to(chunk.t[name].device, chunk.t[name].dtype)
 
     def fill(self, values: Tensor) -> None:
-        """The bootstrap values of the pending final observations, in order."""
+        """The values of every row of :meth:`request_obs`: those past ``n_envs`` bootstrap
+        the pending final observations, in order."""
+        values = values[self.b:]
         if values.shape[0] != len(self.pending):
             raise ValueError(f"{values.shape[0]} bootstrap values for {len(self.pending)} truncated episodes")
         for (chunk, c, r, _), v in zip(self.pending, values.float().cpu()):
-            chunk.t["values"][r, c] = v
+            chunk.t["bootstrap"][r - 1, c] = v
             chunk.ended += 1
         self.pending = []
 

@@ -20,7 +20,7 @@ from dvla.episodes import rollout_fields
 from dvla.policy import ActOutput, ExtraSpec, VLAPolicy
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch, StepResult
 
-PER_EPISODE = ("instruction_ids", "instruction_mask", "success", "group_ids")  # set by start and build
+PER_EPISODE = ("instruction_ids", "instruction_mask", "success", "group_ids", "episode_sums")  # set by start, build
 
 
 @dataclass
@@ -155,13 +155,20 @@ class EpisodeRecorder:
             self.values[self.t].copy_(last_value, non_blocking=self.async_copies)
         if self.done.is_cuda or self.async_copies:
             torch.cuda.current_stream().synchronize()
+        # Every column is one episode, ended by its last valid step (truncated at the latest).
+        torch.mul(self.values[1:], self.truncated, out=self.bootstrap)
+        success = self.success.cpu()
+        valid = self.valid.cpu()
+        sums = torch.stack([torch.ones(self.b), success.float(), (self.rewards.cpu() * valid).sum(0),
+                            valid.sum(0).float()], dim=1)
         return RolloutBatch(
             image=self.image, proprio=self.proprio, instruction_ids=self.ids.cpu(),
             instruction_mask=self.mask.cpu(), actions=self.actions,
             log_probs=self.log_probs, values=self.values, rewards=self.rewards, terminated=self.terminated,
             truncated=self.truncated, valid=self.valid, policy_version=self.policy_version,
-            success=self.success.cpu(), group_ids=group_ids, action_valid=self.action_valid,
-            action_log_probs=self.action_log_probs, cameras=dict(self.cameras), extras=dict(self.extras),
+            success=success, group_ids=group_ids, action_valid=self.action_valid,
+            action_log_probs=self.action_log_probs, bootstrap=self.bootstrap, episode_sums=sums,
+            cameras=dict(self.cameras), extras=dict(self.extras),
         )
 
 
@@ -220,13 +227,27 @@ def collect_episodes(
     return rec.build(torch.arange(env.n_envs) // group_size + group_offset, last_value)
 
 
+EPISODE_TOTALS = ("episodes", "successes", "return_sum", "decisions_sum")  # RolloutBatch.episode_sums' columns
+
+
+def episode_totals(batch: RolloutBatch) -> dict[str, float]:
+    """The episodes that ended in a batch: their count and their successes, returns and
+    decisions summed (add these over batches and ranks, then divide: :func:`episode_means`)."""
+    return dict(zip(EPISODE_TOTALS, batch.episode_sums.double().sum(0).tolist()))
+
+
+def episode_means(totals: dict[str, float]) -> dict[str, float]:
+    """Success rate, mean return and mean length from :func:`episode_totals` (NaN, logged
+    as missing, where no episode ended)."""
+    n = totals["episodes"]
+    per = (lambda x: x / n) if n > 0 else (lambda x: float("nan"))
+    return {"episodes": n, "success_rate": per(totals["successes"]), "return_mean": per(totals["return_sum"]),
+            "episode_len_mean": per(totals["decisions_sum"])}
+
+
 def episode_stats(batch: RolloutBatch) -> dict[str, float]:
-    """Success rate, mean return and mean length of a batch's episodes."""
-    return {
-        "success_rate": float(batch.success.float().mean()),
-        "return_mean": float(batch.episode_returns().mean()),
-        "episode_len_mean": float(batch.valid.sum(0).float().mean()),
-    }
+    """Success rate, mean return and mean length of the episodes that ended in a batch."""
+    return episode_means(episode_totals(batch))
 
 
 def evaluate(env: BatchedEnv, policy: VLAPolicy, episode_len: int, batches: int = 4, group_size: int = 1,

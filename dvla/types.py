@@ -119,6 +119,12 @@ class RolloutBatch:
     a learner can measure (and correct for) staleness. ``valid`` masks the steps
     after an episode ended (episodes of one batch start together and are padded to
     ``T`` decisions, which is what GRPO's groups need).
+
+    A column holds one episode, except with PPO segments (``swimlane.segment_len``): then it
+    holds ``T`` consecutive decisions of one env, across its resets, and may start or end
+    inside an episode. ``values[T]`` bootstraps a column cut inside an episode;
+    ``bootstrap`` a truncation inside the column; ``episode_sums`` counts the episodes that
+    ended in it (``success`` says whether any of them reached the goal).
     """
 
     image: Tensor  # (T, B, C, H, W) uint8
@@ -138,6 +144,10 @@ class RolloutBatch:
     action_valid: Tensor  # (T, B, K) bool: the chunk's actions the env applied before the episode ended
     action_log_probs: Tensor  # (T, B, K, D) float32: behaviour log-prob per action dimension (masked; 0 when the
     # head does not factorise per dimension)
+    bootstrap: Tensor  # (T, B) float32: at a truncated step, the value of the episode's last observation (what
+    # GAE bootstraps from: values[t + 1] may belong to the next episode of the column); 0 elsewhere
+    episode_sums: Tensor  # (B, 4) float32: over the episodes that ended in the column, [count, successes,
+    # return, decisions] (episode statistics stay exact when a column holds several episodes or part of one)
     cameras: dict[str, Tensor] = field(default_factory=dict)  # name -> (T, B, C, H, W) uint8: the further
     # cameras the policy uses (VLAPolicy.cameras_used)
     extras: dict[str, Tensor] = field(default_factory=dict)

@@ -57,7 +57,8 @@ def batch_from_tensors(tensors: dict[str, torch.Tensor],
     lead = {"image": (t_len, b), "proprio": (t_len, b), "actions": (t_len, b), "log_probs": (t_len, b),
             "rewards": (t_len, b), "terminated": (t_len, b), "truncated": (t_len, b), "valid": (t_len, b),
             "policy_version": (t_len, b), "values": (t_len + 1, b), "success": (b,), "group_ids": (b,),
-            "instruction_ids": (b,), "instruction_mask": (b,), "action_valid": (t_len, b), "action_log_probs": (t_len, b)}
+            "instruction_ids": (b,), "instruction_mask": (b,), "action_valid": (t_len, b), "action_log_probs": (t_len, b),
+            "bootstrap": (t_len, b), "episode_sums": (b,)}
     lead.update({name: (t_len, b, *shape) for name, (_, shape) in fields.items()})
     for name, shape in lead.items():
         if t_len < 0 or tuple(tensors[name].shape[: len(shape)]) != shape:
@@ -69,7 +70,7 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     """Join chunks along the env dimension (all have the same ``T``)."""
     if len(batches) == 1:
         return batches[0]
-    per_env = {"success", "group_ids", "instruction_ids", "instruction_mask"}
+    per_env = {"success", "group_ids", "instruction_ids", "instruction_mask", "episode_sums"}
     parts = [b.to_dict() for b in batches]
     return RolloutBatch.from_dict({
         name: torch.cat([p[name] for p in parts], dim=0 if name in per_env else 1) for name in parts[0]

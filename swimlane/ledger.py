@@ -28,6 +28,7 @@ COUNTERS: dict[str, str] = {
     "rejected_non_finite": "gradient",
     "rejected_version": "gradient",
     "rejected_extras": "gradient",
+    "rejected_episodes": "gradient",
     "updates_non_finite": "gradient",
     "publish_skipped_busy": "gradient",
     # The gradient lane while it runs (a collection cut short), then the supervisor's drain

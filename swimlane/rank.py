@@ -19,7 +19,7 @@ from dvla.checkpoint import CheckpointManager
 from dvla.config import ConfigError, JobConfig
 from dvla.distributed import mean_over_group, resolve_device
 from dvla.metrics import MetricsLogger
-from dvla.rollout import cameras_of, episode_stats
+from dvla.rollout import cameras_of, episode_means, episode_totals
 from dvla.sharding import learner_bytes
 from dvla.types import RolloutBatch
 from planes.control import SHUTDOWN
@@ -105,7 +105,7 @@ class RankLanes:
         self.groups = build_groups(sl, world_size, pl, self.device)
         model = build_model(cfg, rank, self.device, pl, self.groups, self.memory)
         self.envs, self.policy, self.algo = model.envs, model.policy, model.algo
-        self.chunk_spec = ChunkSpec.for_policy(self.policy, cfg.env.n_envs, cfg.env.episode_len)
+        self.chunk_spec = ChunkSpec.for_policy(self.policy, cfg.env.n_envs, cfg.chunk_len)
         self.sample_gen, self.learn_gen = model.sample_gen, model.learn_gen
 
         # Checkpoints: learners resume from the newest valid one (``run.resume``, or when
@@ -234,7 +234,8 @@ class RankLanes:
                 max_staleness=self.sl.max_staleness, max_env_failures=self.sl.max_env_failures,
                 rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
                 rollout_ranks=len(self.rollout_ranks), extras=self.policy.rollout_extras(),
-                cameras=cameras_of(self.policy), independent=self.sl.independent_envs, throttle_s=_THROTTLE_S,
+                cameras=cameras_of(self.policy), independent=self.sl.independent_envs, segment_len=self.sl.segment_len,
+                throttle_s=_THROTTLE_S,
                 poll_s=_POLL_S),
         )
 
@@ -351,11 +352,12 @@ class RankLanes:
         """Episode stats averaged and consumed env steps summed over the learner ranks."""
         limit = self.cfg.run.time_limit_s
         time_up = float(bool(limit) and time.perf_counter() - self._start_time >= limit)
-        stats = {**episode_stats(batch), "env_steps": float(steps_total), "time_up": time_up}
+        stats = {**episode_totals(batch), "env_steps": float(steps_total), "time_up": time_up}
         if self.sl.learner_ranks > 1:  # learners agree on when the time is up
-            stats = mean_over_group(stats, self.groups.learner)
+            stats = {k: v * self.sl.learner_ranks for k, v in mean_over_group(stats, self.groups.learner).items()}
         self.time_up = stats.pop("time_up") > 0
-        return stats, self.ledger.carried_env_steps + round(stats.pop("env_steps") * self.sl.learner_ranks)
+        steps = self.ledger.carried_env_steps + round(stats.pop("env_steps"))
+        return episode_means(stats), steps
 
     def _handoff(self, wait: bool) -> None:
         """Give the publish lane a snapshot of the current weights (one copy), unless it is

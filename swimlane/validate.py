@@ -22,7 +22,7 @@ from dvla.rollout import cameras_of
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, RolloutBatch
 from swimlane.chunks import DTYPES
 
-REASONS = ("shape", "instruction_ids", "non_finite", "version", "extras")
+REASONS = ("shape", "instruction_ids", "non_finite", "version", "extras", "episodes")
 """Why a chunk was rejected; the ledger counts ``rejected_<reason>``."""
 
 
@@ -99,7 +99,7 @@ def check_chunk(batch: RolloutBatch, spec: ChunkSpec, learner_version: int) -> t
     if ids.numel() and (int(ids.min()) < 0 or (spec.vocab_size is not None and int(ids.max()) >= spec.vocab_size)):
         return "instruction_ids", (f"ids in [{int(ids.min())}, {int(ids.max())}], the vocabulary is "
                                    f"[0, {spec.vocab_size})")
-    floats = ["rewards", "log_probs", "values", "proprio", "actions", "action_log_probs"]
+    floats = ["rewards", "log_probs", "values", "proprio", "actions", "action_log_probs", "bootstrap", "episode_sums"]
     floats += [EXTRAS_PREFIX + n for n, _, d, _ in spec.extras if d.is_floating_point]
     for name in floats:
         if not bool(torch.isfinite(tensors[name]).all()):
@@ -108,6 +108,9 @@ def check_chunk(batch: RolloutBatch, spec: ChunkSpec, learner_version: int) -> t
         x = tensors[EXTRAS_PREFIX + name]
         if high is not None and x.numel() and (int(x.min()) < 0 or int(x.max()) >= high):
             return "extras", f"{name} holds values in [{int(x.min())}, {int(x.max())}], expected [0, {high})"
+    count, successes, _, decisions = batch.episode_sums.unbind(1)
+    if bool((successes < 0).any() | (successes > count).any() | (decisions < count).any()):
+        return "episodes", "episode_sums: successes outside [0, episodes] or fewer decisions than episodes"
     if batch.valid.any():
         versions = batch.policy_version[batch.valid]
         lo, hi = int(versions.min()), int(versions.max())

@@ -187,14 +187,18 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation_and_gae_runs_
     # episode 1: x = 0, 1, 2 acted on, rewards 1, 2, 3, truncated in x = 3 (V = 31)
     assert first.rewards[:, 0].tolist() == [1.0, 2.0, 3.0]
     assert first.truncated[:, 0].tolist() == [False, False, True]
-    assert first.values[:, 0].tolist() == [1.0, 11.0, 21.0, 31.0]
-    assert second.terminated[:, 0].tolist() == [False, True, False] and second.values[2, 0] == 0.0
+    assert first.values[:3, 0].tolist() == [1.0, 11.0, 21.0]
+    assert first.bootstrap[:, 0].tolist() == [0.0, 0.0, 31.0]
+    assert second.terminated[:, 0].tolist() == [False, True, False] and second.bootstrap.abs().sum() == 0.0
+    assert first.episode_sums[0].tolist() == [1.0, 0.0, 6.0, 3.0]  # one episode, no success, return 6, 3 decisions
     g, lam = 0.9, 0.8
-    adv, _ = gae(first.rewards, first.values, first.terminated, first.terminated | first.truncated, g, lam)
+    adv, _ = gae(first.rewards, first.values, first.terminated, first.terminated | first.truncated, g, lam,
+                 first.bootstrap)
     d = [1 + g * 11 - 1, 2 + g * 21 - 11, 3 + g * 31 - 21]
     hand = [d[0] + g * lam * (d[1] + g * lam * d[2]), d[1] + g * lam * d[2], d[2]]
     assert adv[:, 0].tolist() == pytest.approx(hand)
-    adv2, _ = gae(second.rewards, second.values, second.terminated, second.terminated | second.truncated, g, lam)
+    adv2, _ = gae(second.rewards, second.values, second.terminated, second.terminated | second.truncated, g, lam,
+                  second.bootstrap)
     e = [1 + g * 11 - 1, 2 - 11]  # terminated: no bootstrap
     assert adv2[:2, 0].tolist() == pytest.approx([e[0] + g * lam * e[1], e[1]])
 
@@ -237,16 +241,19 @@ def test_a_gym_vector_env_restarts_single_envs():
     env.close()
 
 
-def test_independent_chunks_cross_the_data_plane_under_torchrun(tmp_path):
+@pytest.mark.parametrize("segment_len", [0, 5])
+def test_independent_chunks_cross_the_data_plane_under_torchrun(tmp_path, segment_len):
     """Two processes (rank 1 rolls out, rank 0 learns): the StreamRecorder's chunks, PPO
-    bootstraps and empty columns included, pass the learner's checks over ZeroMQ."""
+    bootstraps and empty columns included (or PPO segments, shorter than an episode), pass
+    the learner's checks over ZeroMQ."""
     import json
 
     from tests.ranks import torchrun_job
 
     run = torchrun_job(tmp_path, "indep", [
         "swimlane.independent_envs=true", "swimlane.max_staleness=4", "swimlane.colocate=false",
-        "algo.name=ppo", "policy.options.value_head=true", "run.iterations=4"])
+        f"swimlane.segment_len={segment_len}", "algo.name=ppo", "policy.options.value_head=true",
+        "run.iterations=4"])
     summary = json.loads((run / "summary.json").read_text())
     assert summary["version"] == 4
     totals = summary["totals"]

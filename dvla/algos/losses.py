@@ -98,21 +98,27 @@ def gae(
     done: Tensor,
     gamma: float,
     lam: float,
+    bootstrap: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over time-major ``(T, B)`` tensors.
 
     ``values`` is ``(T + 1, B)``: ``values[t + 1]`` is the value of the observation
     after step ``t``. A terminated step does not bootstrap; a ``done`` step (terminated
     or truncated) stops the recursion, so truncated episodes bootstrap from their
-    last value. Returns ``(advantages, returns)``, both ``(T, B)``.
+    last value: ``bootstrap[t]`` where given (the value of the episode's last observation,
+    when ``values[t + 1]`` is already the next episode's first, as in a column that runs
+    across resets), else ``values[t + 1]``. Returns ``(advantages, returns)``, both ``(T, B)``.
     """
     t_len = rewards.shape[0]
     adv = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[0])
     not_term = 1.0 - terminated.float()
     not_done = 1.0 - done.float()
+    nxt = values[1:]
+    if bootstrap is not None:
+        nxt = torch.where(done & ~terminated, bootstrap, nxt)
     for t in reversed(range(t_len)):
-        delta = rewards[t] + gamma * values[t + 1] * not_term[t] - values[t]
+        delta = rewards[t] + gamma * nxt[t] * not_term[t] - values[t]
         last = delta + gamma * lam * not_done[t] * last
         adv[t] = last
     return adv, adv + values[:-1]

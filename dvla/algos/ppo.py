@@ -20,7 +20,8 @@ class PPO(Algorithm):
 
     def advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         done = batch.terminated | batch.truncated
-        adv, ret = gae(batch.rewards, batch.values, batch.terminated, done, self.cfg.gamma, self.cfg.gae_lambda)
+        adv, ret = gae(batch.rewards, batch.values, batch.terminated, done, self.cfg.gamma, self.cfg.gae_lambda,
+                       batch.bootstrap)
         valid = batch.valid
         if valid.sum() > 1:
             mean, std = adv[valid].mean(), adv[valid].std()

@@ -12,11 +12,18 @@ envs wait) and the episodes that run go on, so what the group holds does not gro
 while it waits. A chunk being filled always takes new episodes (it was admitted when it
 opened), so chunks leave full. Once no episode runs, the group parks until admitted, then
 every env starts anew. A group fills a bounded number of chunks at once (:attr:`OwnClock.max_open`).
+
+With PPO segments (``swimlane.segment_len``, a :class:`dvla.segments.SegmentRecorder`) no
+restart is held: every env steps until its group's chunk is full. Then the group opens the
+next chunk by acting (the reply's values also complete the full chunk) if it may; if not
+(sync mode: the round's chunk is sent; async: admission refuses), it asks for the values the
+full chunk still needs, sends it, and parks until admitted.
 """
 
 from __future__ import annotations
 
 from dvla.episodes import StreamRecorder
+from dvla.segments import SegmentRecorder
 from swimlane.lanes.messages import Reply, Request
 
 
@@ -45,12 +52,14 @@ class OwnClock:
                         lane.recover(g, exc)
                 state.recorder = self._recorder(g)
                 state.recorder.begin(lane.prepare(raw))
+        elif isinstance(state.recorder, SegmentRecorder):
+            pass  # admitted: its next decision opens a chunk
         elif env.restart_limit == 0 and state.recorder.drained:
             env.restart_limit = None
             state.recorder.restart(*env.restart_ended())
         self.ask(g)
 
-    def _recorder(self, g: int) -> StreamRecorder:
+    def _recorder(self, g: int) -> StreamRecorder | SegmentRecorder:
         lane, c = self.lane, self.lane.cfg
         lease = None
         if lane.host_pool is not None:  # each chunk's tensors from the transient pool
@@ -62,15 +71,20 @@ class OwnClock:
         def group_id(k: int) -> int:
             return k * n_sets + c.rollout_index * len(lane.envs) + g
 
+        if c.segment_len:
+            return SegmentRecorder(lane.envs[g].spec, c.n_envs, c.action_chunk, c.segment_len, prepare=lane.prepare,
+                                   lease=lease, extras=c.extras, cameras=c.cameras, group_id=group_id)
         return StreamRecorder(lane.envs[g].spec, c.n_envs, c.action_chunk, c.episode_len, prepare=lane.prepare,
                               group_size=c.group_size, has_value=c.has_value, lease=lease, extras=c.extras,
                               cameras=c.cameras, group_id=group_id)
 
     def ask(self, g: int) -> None:
         """The group's next request: values only when no episode runs and bootstrap values
-        are owed (or the oldest chunk waits for them)."""
+        are owed (or the oldest chunk waits for them). Segments ask here only when resumed:
+        for actions, which open the next chunk."""
         rec = self.lane.groups[g].recorder
-        kind = "value" if rec.waiting_for_values or not bool(rec.live.any()) else "act"
+        owed = not isinstance(rec, SegmentRecorder) and (rec.waiting_for_values or not bool(rec.live.any()))
+        kind = "value" if owed else "act"
         self.lane.requests.put(Request(g, kind, rec.request_obs()))
 
     def gate(self, g: int) -> None:
@@ -79,22 +93,29 @@ class OwnClock:
         more if the group may open one: it is active (``lane.active``), has fewer than
         :attr:`max_open` open and, in async mode, admission for a chunk that leaves after
         every chunk open now. An inactive group fills its chunk, then drains and parks."""
-        lane, rec, env = self.lane, self.lane.groups[g].recorder, self.lane.envs[g]
-        may_open = g < lane.active and len(rec.chunks) < self.max_open and (
+        rec, env = self.lane.groups[g].recorder, self.lane.envs[g]
+        env.restart_limit = rec.room + (rec.b if self.may_open(g) else 0)
+
+    def may_open(self, g: int) -> bool:
+        """Whether group ``g`` may open another chunk (see :meth:`gate`)."""
+        lane, rec = self.lane, self.lane.groups[g].recorder
+        return g < lane.active and len(rec.chunks) < self.max_open and (
             lane.cfg.mode != "async" or lane.admission.admits(lane.weights.latest_version, ahead=self.open_chunks()))
-        env.restart_limit = rec.room + (rec.b if may_open else 0)
 
     def open_chunks(self) -> int:
         """Chunks being filled in every group: about as many leave before a new one."""
-        return sum(len(s.recorder.chunks) for s in self.lane.groups if isinstance(s.recorder, StreamRecorder))
+        return sum(len(s.recorder.chunks) for s in self.lane.groups
+                   if isinstance(s.recorder, (StreamRecorder, SegmentRecorder)))
 
     def on_reply(self, reply: Reply) -> bool:
         """Advance the reply's group; True when it stops for now (sync: it sent its chunk of
         the round; async: it sent everything and parks until admitted)."""
         lane, n = self.lane, self.lane.cfg.n_envs
         g, rec, env = reply.group, lane.groups[reply.group].recorder, lane.envs[reply.group]
+        if isinstance(rec, SegmentRecorder):
+            return self._on_segment_reply(reply, rec)
         if reply.kind == "value":
-            rec.fill(reply.out[n:])
+            rec.fill(reply.out)
         else:
             self.gate(g)
             res = lane.simulate(g, reply.out.actions[:n])
@@ -113,4 +134,29 @@ class OwnClock:
                 lane.emit(g, None)
             return True
         self.ask(g)
+        return False
+
+    def _on_segment_reply(self, reply: Reply, rec: SegmentRecorder) -> bool:
+        """:meth:`on_reply` for PPO segments (see the module's docstring)."""
+        lane, g = self.lane, reply.group
+        if reply.kind == "value":
+            rec.fill(reply.out)
+        else:
+            res = lane.simulate(g, reply.out.actions[:rec.b])
+            if res is None:
+                return False
+            live, idle = rec.record(reply.out, res, reply.version)
+            lane.ledger.add("env_steps_live", live)
+            lane.ledger.add("env_steps_idle", idle)
+        while rec.ready:
+            lane.emit(g, None)
+            if lane.cfg.mode == "sync":
+                return True
+        if rec.full and (lane.cfg.mode == "sync" or not self.may_open(g)):
+            if not rec.owes_values:
+                return True  # its chunks are sent: parked until admitted (sync: the next round)
+            kind = "value"
+        else:
+            kind = "act"
+        lane.requests.put(Request(g, kind, rec.request_obs()))
         return False

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 
 from dvla.episodes import StreamRecorder
+from dvla.segments import SegmentRecorder
 from dvla.rollout import EpisodeRecorder
 from swimlane.lanes.own_clock import OwnClock
 from swimlane.admission import Admission
@@ -58,13 +59,14 @@ class SamplingConfig:
     extras: dict = field(default_factory=dict)  # name -> ExtraSpec: what the policy records beside actions
     cameras: dict = field(default_factory=dict)  # name -> (C, H, W): the further cameras the policy reads
     independent: bool = False  # every env on its own clock (swimlane.independent_envs)
+    segment_len: int = 0  # with independent: PPO segments of this many decisions (swimlane.segment_len)
     throttle_s: float = 2.0
     poll_s: float = 0.05
 
 
 @dataclass
 class GroupState:
-    recorder: EpisodeRecorder | StreamRecorder | None = None
+    recorder: EpisodeRecorder | StreamRecorder | SegmentRecorder | None = None
     lease: Any = None
     chunks: int = 0  # chunks this group has sent
 
@@ -129,7 +131,7 @@ class SamplingLane:
         state = self.groups[g]
         if state.lease is not None:
             state.lease.release()
-        if isinstance(state.recorder, StreamRecorder):
+        if isinstance(state.recorder, (StreamRecorder, SegmentRecorder)):
             state.recorder.close()
         state.recorder = state.lease = None
         n = self.failures.in_a_row[g]
