@@ -12,15 +12,18 @@ Independent envs keep about two chunks in flight per env group, so staleness has
 about two versions per group (``--max-staleness 4`` for 2 groups), or admission holds new
 episodes and envs wait.
 
-Both modes run the same job (async lanes, the same iterations); runs alternate (batch first
-in even pairs, independent first in odd ones). Printed per pair and as medians:
+Three settings run the same job (async lanes, the same iterations): ``batch``,
+``independent`` (one episode per chunk column) and ``segments`` (``swimlane.segment_len``:
+columns of consecutive decisions across resets, no env ever waits). Each repeat runs all
+three, the order rotated. Printed per repeat and as medians:
 
 * useful env steps per second: decisions taken by envs whose episode runs
   (``env_steps_live`` over the run's wall time);
 * the idle share: env steps spent on envs whose episode had ended, waiting for the rest of
   their batch (or of their GRPO group).
 
-Target (issue #20): independent/batch >= 1.3x useful env steps/s.
+Target (issue #20): independent/batch >= 1.3x useful env steps/s (segments are reported
+beside it).
 
     python bench/independent_envs.py --repeats 3
 """
@@ -37,9 +40,13 @@ from dvla.presets import fast_reach
 from swimlane import Swimlane
 
 
-def run(out: Path, independent: bool, args) -> dict[str, float]:
+MODES = ("batch", "independent", "segments")
+
+
+def run(out: Path, mode: str, args) -> dict[str, float]:
     cfg = apply_overrides(fast_reach(), [
-        f"swimlane.independent_envs={str(independent).lower()}", f"run.iterations={args.iterations}",
+        f"swimlane.independent_envs={str(mode != 'batch').lower()}",
+        f"swimlane.segment_len={args.segment_len if mode == 'segments' else 0}", f"run.iterations={args.iterations}",
         f"env.options.long_tail={args.long_tail}", f"env.options.render_cost_ms={args.render_cost_ms}",
         f"env.episode_len={args.episode_len}", f"env.n_envs={args.n_envs}", "env.image_size=16",
         f"swimlane.max_staleness={args.max_staleness}", "swimlane.env_groups=2", "run.torch_threads=1",
@@ -61,28 +68,32 @@ def main() -> None:
     p.add_argument("--episode-len", type=int, default=40)
     p.add_argument("--n-envs", type=int, default=32)
     p.add_argument("--max-staleness", type=int, default=4)
+    p.add_argument("--segment-len", type=int, default=10, help="decisions per chunk column in the segments setting")
     p.add_argument("--set", nargs="*", default=[], help="further overrides KEY=VALUE")
     args = p.parse_args()
-    ratios, rows = [], {False: [], True: []}
+    rows = {m: [] for m in MODES}
+    ratios = {m: [] for m in MODES[1:]}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
-            order = (False, True) if i % 2 == 0 else (True, False)
+            order = MODES[i % 3:] + MODES[:i % 3]
             got = {mode: run(Path(tmp) / f"r{i}_{mode}", mode, args) for mode in order}
-            for mode in order:
+            for mode in MODES:
                 rows[mode].append(got[mode])
-            ratio = got[True]["useful_sps"] / got[False]["useful_sps"]
-            ratios.append(ratio)
-            print(f"pair {i}: batch {got[False]['useful_sps']:.0f} useful steps/s (idle "
-                  f"{got[False]['idle_share']:.0%}), independent {got[True]['useful_sps']:.0f} (idle "
-                  f"{got[True]['idle_share']:.0%}, {got[True]['dropped']} stale chunks dropped): {ratio:.2f}x",
-                  flush=True)
+            parts = []
+            for mode in MODES[1:]:
+                ratios[mode].append(got[mode]["useful_sps"] / got["batch"]["useful_sps"])
+                parts.append(f"{mode} {got[mode]['useful_sps']:.0f} (idle {got[mode]['idle_share']:.0%}, "
+                             f"{got[mode]['dropped']} stale chunks dropped): {ratios[mode][-1]:.2f}x")
+            print(f"repeat {i} ({', '.join(order)}): batch {got['batch']['useful_sps']:.0f} useful steps/s (idle "
+                  f"{got['batch']['idle_share']:.0%}); " + "; ".join(parts), flush=True)
 
     def med(mode, key):
         return statistics.median(r[key] for r in rows[mode])
 
-    print(f"median: batch {med(False, 'useful_sps'):.0f} useful steps/s, idle {med(False, 'idle_share'):.0%}; "
-          f"independent {med(True, 'useful_sps'):.0f}, idle {med(True, 'idle_share'):.0%}; "
-          f"ratio {statistics.median(ratios):.2f}x (target >= 1.3x)")
+    print(f"median: batch {med('batch', 'useful_sps'):.0f} useful steps/s, idle {med('batch', 'idle_share'):.0%}; "
+          + "; ".join(f"{m} {med(m, 'useful_sps'):.0f}, idle {med(m, 'idle_share'):.0%}, "
+                      f"{statistics.median(ratios[m]):.2f}x" for m in MODES[1:])
+          + " (target: independent >= 1.3x batch)")
 
 
 if __name__ == "__main__":
