@@ -69,8 +69,9 @@ def make_batch(policy, samples: int, image: int, device: torch.device) -> Rollou
         rewards=torch.rand(1, samples, generator=g), terminated=ones, truncated=~ones, valid=ones,
         policy_version=torch.zeros(1, samples, dtype=torch.long), success=ones[0],
         group_ids=torch.arange(samples) // 4, action_valid=torch.ones(1, samples, k, dtype=torch.bool),
-        action_log_probs=out.log_prob_elements.cpu().unsqueeze(0), extras={n: v.cpu().unsqueeze(0)
-                                                                           for n, v in out.extras.items()})
+        action_log_probs=out.log_prob_elements.cpu().unsqueeze(0), bootstrap=torch.zeros(1, samples),
+        episode_sums=torch.tensor([[1.0, 1.0, 0.0, 1.0]]).expand(samples, 4).clone(),
+        extras={n: v.cpu().unsqueeze(0) for n, v in out.extras.items()})
 
 
 def model_args(doc: str) -> argparse.ArgumentParser:
