@@ -53,13 +53,26 @@ class EnvConfig:
     """Reward on the step that reaches the goal."""
     options: dict[str, Any] = field(default_factory=dict)
     """Backend-specific options, validated by the env itself. fast_reach: ``n_targets,
-    max_delta, radius, privileged, render_cost_ms, wrist_camera, long_tail, long_tail_cap``;
+    max_delta, radius, privileged, render_cost_ms, render_wait_ms, wrist_camera, long_tail,
+    long_tail_cap, phase_after, phase_after_s, render_cost_ms_after``;
     genesis: ``max_delta,
     substeps_per_action, dt, privileged, vis_mode, action_mode``; gym: ``gym_id, instruction, image_key,
     make_kwargs``."""
+    rank_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Options of single ranks over ``options``, keyed by global rank (``"2": {render_cost_ms:
+    12}``): a heterogeneous cluster, or one rank slowed down on purpose (tests, benches)."""
+
+    def for_rank(self, rank: int) -> "EnvConfig":
+        """This config as rank ``rank`` builds its envs (its ``rank_options`` applied)."""
+        extra = self.rank_options.get(str(rank))
+        return dataclasses.replace(self, options={**self.options, **extra}) if extra else self
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
+        bad = [k for k, v in self.rank_options.items() if not (k.isdigit() and isinstance(v, dict))]
+        if bad:
+            errs.append(("rank_options", f"keys are global ranks (\"0\", \"1\", ...) mapping to option dicts; "
+                                         f"got {bad}"))
         if self.n_envs < 1:
             errs.append(("n_envs", f"must be >= 1, got {self.n_envs}"))
         if self.episode_len < 1:
@@ -293,6 +306,23 @@ class SwimlaneConfig:
     column. Every env steps all the time (restarts are never held), so no env idles while
     the slowest episode of its chunk finishes, and episodes longer than a chunk are fine.
     0: one episode per column, ``env.episode_len`` decisions per chunk."""
+    straggler_factor: float = 2.0
+    """A rollout rank whose env steps per second of sampling per env group fall below
+    ``1/straggler_factor`` of the median rank's is a straggler: the learners name it in the
+    metrics (``stragglers``, ``speed/rank<N>``), the log and the summary
+    (:mod:`swimlane.balance`)."""
+    balance_window_s: float = 10.0
+    """The window over which the learners measure each rollout rank and env group."""
+    rebalance: bool = False
+    """Async mode, several rollout ranks: rank 0 plans every version, and the plan rides with
+    the weights on the control plane. Each rank's share of its learner's chunks follows its
+    measured speed (admission no longer holds fast ranks to the pace of the slowest), and a
+    straggler hands one env group at a time (at most one per ``balance_window_s``) to the
+    fastest rank with a spare one (``spare_groups``): its running batch is sent, then it
+    parks, while the spare starts fresh episodes."""
+    spare_groups: int = 0
+    """With ``rebalance``: env groups each rollout rank builds beyond ``env_groups``, idle
+    until a plan hands it one."""
     autotune: bool = False
     """Async mode: a resource manager adjusts the run while it runs, from stage profiles
     measured every ``autotune_window_s`` (useful env steps/s, lane busy shares, idle env
@@ -372,6 +402,17 @@ class SwimlaneConfig:
                                        "driver take turns already)"))
         if self.autotune_window_s <= 0:
             errs.append(("autotune_window_s", f"must be > 0, got {self.autotune_window_s}"))
+        if self.straggler_factor <= 1:
+            errs.append(("straggler_factor", f"must be > 1, got {self.straggler_factor}"))
+        if self.balance_window_s <= 0:
+            errs.append(("balance_window_s", f"must be > 0, got {self.balance_window_s}"))
+        if self.spare_groups < 0:
+            errs.append(("spare_groups", f"must be >= 0, got {self.spare_groups}"))
+        elif self.spare_groups and not self.rebalance:
+            errs.append(("spare_groups", "only rebalancing starts spare groups: set swimlane.rebalance=true"))
+        if self.rebalance and (self.mode != "async" or self.driver != "threads" or self.autotune):
+            errs.append(("rebalance", "needs swimlane.mode=async, driver=threads and autotune=false (autotune "
+                                      "moves the env groups that step on its own)"))
         if self.segment_len < 0:
             errs.append(("segment_len", f"must be >= 0, got {self.segment_len}"))
         elif self.segment_len and not self.independent_envs:

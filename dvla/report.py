@@ -32,6 +32,7 @@ from dvla.report_data import Skip, load_config, load_metrics, load_summaries, lo
 from dvla.report_gantt import plot_gantt
 from dvla.report_plots import (
     plot_autotune,
+    plot_balance,
     plot_lanes,
     plot_memory,
     plot_return,
@@ -75,6 +76,8 @@ def make_report(run_dir, out_dir=None) -> dict:
     ]
     if any("autotune_decisions" in r for r in rows):  # swimlane.autotune ran
         plots.append(("autotune.png", lambda: plot_autotune(rows, out)))
+    if sum(k.startswith("speed/rank") for k in set().union(*rows)) > 1:  # several rollout ranks measured
+        plots.append(("balance.png", lambda: plot_balance(rows, out)))
     pngs: list[Path] = []
     info: dict[str, dict] = {}
     skipped: list[str] = []

@@ -286,3 +286,31 @@ def plot_autotune(rows, out: Path) -> Path:
     axes[0].set_title(f"Resource manager: knob values per update ({int(decisions[-1]) if decisions else 0} "
                       f"decisions)")
     return save(fig, out / "autotune.png")
+
+
+def plot_balance(rows, out: Path) -> Path:
+    """The rollout ranks over wall time (:mod:`swimlane.balance`): each one's speed (env steps
+    per second of sampling per env group), and with ``swimlane.rebalance`` the env groups that
+    step on it and its share of its learner's chunks, as the plans set them."""
+    t = wall_time(rows)
+    ranks = sorted({int(k.split("rank")[1]) for r in rows for k in r if k.startswith("speed/rank")})
+    if len(ranks) < 2:
+        raise Skip("fewer than two rollout ranks measured (speed/rank* in metrics.jsonl)")
+    panels = [("speed/rank", "env steps / s\nper env group")]
+    if any(k.startswith("groups/rank") for r in rows for k in r):
+        panels += [("groups/rank", "env groups"), ("share/rank", "share of chunks")]
+    fig, axes = figure(len(panels), 1, size=(8.0, 2.4 * len(panels)))
+    axes = list(axes) if len(panels) > 1 else [axes]
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860"]
+    for ax, (prefix, label) in zip(axes, panels):
+        for i, rank in enumerate(ranks):
+            x, y = xy(t, col(rows, f"{prefix}{rank}"))
+            if x:
+                ax.step(x, y, where="post", color=colors[i % len(colors)], lw=2, label=f"rank {rank}")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(loc="best", fontsize=8)
+    axes[-1].set_xlabel("wall time since start (s)")
+    worst = max((v for v in col(rows, "stragglers") if v is not None), default=0)
+    axes[0].set_title(f"Rollout ranks (at most {int(worst)} straggler(s) at once)")
+    return save(fig, out / "balance.png")

@@ -128,6 +128,19 @@ def summary_text(run: Path, rows: list[dict], summaries: dict[int, dict], traces
     else:
         lines.append("chunk accounting: n/a (not in summary.json)")
 
+    # rollout ranks (swimlane/balance.py)
+    bal = s0.get("balance") or {}
+    if len(bal.get("by_rank") or {}) > 1:
+        speeds = ", ".join(f"rank {r} {_fmt(num(d.get('steps', 0)) / num(d['sample_s']), '.0f')}"
+                           for r, d in bal["by_rank"].items() if num(d.get("sample_s")))
+        lines.append(f"rollout ranks (last {_fmt(bal.get('window_s'), 'g')} s): env steps/s per env group: {speeds}; "
+                     f"stragglers at the end: {bal.get('stragglers') or 'none'}")
+        moves = bal.get("moves") or []
+        if moves:
+            lines.append(f"rebalancing: {len(moves)} env group move(s): "
+                         + ", ".join(f"v{m['version']} rank {m['src']} -> {m['dst']}" for m in moves[:8])
+                         + (" ..." if len(moves) > 8 else ""))
+
     # lanes
     if traces:
         lines.append("lane utilisation (busy fraction of traced time, from trace files):")

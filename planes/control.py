@@ -12,7 +12,11 @@ and DDP's bucket views do). Publishing is then a handful of large broadcasts str
 from the model's own memory, and receiving writes straight into the replica: no packing,
 no unpacking, no allocation per version. Build the broadcaster after the model is on
 its device (moving it later breaks the aliasing, which ``publish``/``receive`` detect).
-Every broadcast is preceded by an int64 version number; a negative one means shutdown.
+Every broadcast is preceded by an int64 version number; a negative one means shutdown. With
+``header_words`` the version number is followed by that many int64 words the source sets per
+version (``publish(version, header)``) and receivers read as :attr:`WeightBroadcaster.header`
+after :meth:`WeightBroadcaster.receive_version`: a small message that rides with each version
+(the swimlane's rebalancing plan, :mod:`swimlane.balance`) at no extra collective.
 
 Across hosts the broadcast follows a tree (:func:`hierarchical_stages`): the source
 sends each version once over the inter-node group of *node leaders* (one rank per
@@ -119,9 +123,10 @@ class WeightBroadcaster:
     def __init__(self, module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, stages: list[Stage] | None = None,
                  alloc: Alloc | None = None, frozen: frozenset[str] = frozenset(),
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, header_words: int = 0):
         """``device``: where the weights travel (default: the module's); a relay rank passes
-        a module on the meta device, its layout only (:meth:`relay_buckets`)."""
+        a module on the meta device, its layout only (:meth:`relay_buckets`); ``header_words``:
+        int64 words that travel with each version number (the same on every rank)."""
         if bucket_bytes < 1:
             raise ValueError(f"control_plane.bucket_bytes: must be >= 1, got {bucket_bytes}")
         self.module = module
@@ -153,7 +158,8 @@ class WeightBroadcaster:
         self.nbytes = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
         self.frozen_sent = False  # source: the frozen buckets went out; receiver: they came in
         self.last_version_bytes = 0  # bytes of the last version sent or received (once, not per stage)
-        self._version_buf = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._version_buf = torch.zeros(1 + header_words, dtype=torch.int64, device=self.device)
+        self.header: list[int] = [0] * header_words  # the words of the last version announced
         self.version = -1
 
     def _check_layout(self) -> None:
@@ -206,8 +212,9 @@ class WeightBroadcaster:
 
     # -- source -------------------------------------------------------------------------------
     @torch.no_grad()
-    def publish(self, version: int) -> None:
-        """Broadcast the current weights as ``version`` (source rank only)."""
+    def publish(self, version: int, header: list[int] | None = None) -> None:
+        """Broadcast the current weights as ``version`` (source rank only), with ``header``
+        (``header_words`` integers; default zeros)."""
         if not self.is_src:
             raise RuntimeError("publish() is for the source rank; other ranks call receive()")
         if version < 0 or version <= self.version:
@@ -217,7 +224,7 @@ class WeightBroadcaster:
         # The version header and every bucket are posted at once and then waited for: the
         # backend streams them back to back instead of a hand-over to its worker thread and
         # a wait between one collective and the next.
-        self._version_buf.fill_(version)
+        self._fill_header(version, header)
         works = [dist.broadcast(self._version_buf, src=st.root, group=st.group, async_op=True)
                  for st in self._send_stages]
         works += [self._send(st, self.buckets[i].flat, async_op=True) for st in self._send_stages for i in carried]
@@ -232,8 +239,15 @@ class WeightBroadcaster:
         """Tell receivers that no further version will come (source rank only)."""
         self._broadcast_version(SHUTDOWN)
 
+    def _fill_header(self, version: int, header: list[int] | None) -> None:
+        words = list(header) if header is not None else [0] * (self._version_buf.numel() - 1)
+        if len(words) != self._version_buf.numel() - 1:
+            raise ValueError(f"control plane: a header of {len(words)} words, expected {self._version_buf.numel() - 1}")
+        self._version_buf.copy_(torch.tensor([version, *words], dtype=torch.int64))
+        self.header = words
+
     def _broadcast_version(self, version: int) -> None:
-        self._version_buf.fill_(version)
+        self._fill_header(version, None)
         for st in self._send_stages:
             dist.broadcast(self._version_buf, src=st.root, group=st.group)
 
@@ -271,7 +285,9 @@ class WeightBroadcaster:
         dist.broadcast(self._version_buf, src=st.root, group=st.group)
         for fwd in self._send_stages:  # a node leader passes the announcement on at once
             dist.broadcast(self._version_buf, src=fwd.root, group=fwd.group)
-        return int(self._version_buf.item())
+        words = self._version_buf.tolist()
+        self.header = words[1:]
+        return words[0]
 
     @torch.no_grad()
     def receive_buckets(self, version: int, into: list[Tensor] | None = None) -> None:

@@ -180,7 +180,7 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
     torch.manual_seed(seed)
     envs = []
     if rollout:
-        envs = [make_env(cfg.env, device, seed=seed + 7919 * rank)]
+        envs = [make_env(cfg.env.for_rank(rank), device, seed=seed + 7919 * rank)]
         spec_ = envs[0].spec
     else:  # a learner-only rank needs the spec, not a simulator (where the env can tell)
         spec_ = env_spec(cfg.env, device, seed=seed + 7919 * rank)
@@ -188,7 +188,7 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
     policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
     check_policy_io(policy, cfg.policy.name)
     if rollout:
-        envs += [make_env(cfg.env, device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, sl.env_groups)]
+        envs += [make_env(cfg.env.for_rank(rank), device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, sl.env_groups + sl.spare_groups)]
     algo = learn_gen = None
     if learner:
         sync = partial(allreduce_mean_grads, group=groups.learner) if sl.learner_ranks > 1 else None
@@ -234,13 +234,14 @@ def publish_dtype(sl: SwimlaneConfig, device: torch.device) -> torch.dtype:
 
 
 def build_weights(policy, rank: int, world: int, control_group, stages, alloc, rollout: bool = True,
-                  dtype: torch.dtype = torch.float32) -> WeightBuffers:
+                  dtype: torch.dtype = torch.float32, header_words: int = 0) -> WeightBuffers:
     """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
     all laid out in flat buckets (from the persistent pool when memory is managed), their
     floating-point tensors in ``dtype`` (the publish dtype). The policy's frozen parameters
     go over the control plane with the first version only. A rank that does not roll out
     (``rollout`` false) holds no replicas: the source only its snapshot, any other rank
-    nothing (it relays each version bucket by bucket: :meth:`WeightBroadcaster.relay_buckets`)."""
+    nothing (it relays each version bucket by bucket: :meth:`WeightBroadcaster.relay_buckets`).
+    ``header_words``: what travels with each version number (the rebalancing plan)."""
     frozen = frozen_names(policy)
 
     def copy_of(model):
@@ -248,11 +249,12 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc, r
 
     if world > 1 and rank != 0 and not rollout:  # a relay: the layout only, on the meta device
         bc = WeightBroadcaster(layout_copy(policy, dtype), src=0, group=control_group, stages=stages, alloc=meta_alloc,
-                               frozen=frozen, device=next(policy.parameters()).device)
+                               frozen=frozen, device=next(policy.parameters()).device, header_words=header_words)
         return WeightBuffers(None, None, None, bc)
     if world > 1 and rank == 0 and not rollout:
         snapshot = copy_of(policy)
-        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)
+        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen,
+                               header_words=header_words)
         return WeightBuffers(None, snapshot, [b.flat for b in bc.buckets], bc)
     replicas = [copy_of(policy) for _ in range(2)]
     if world == 1:
@@ -262,10 +264,12 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc, r
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, snap_flats, None)
     if rank == 0:
         snapshot = copy_of(policy)
-        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)
+        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen,
+                               header_words=header_words)
         flats = [bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, [b.flat for b in bc.buckets], bc)
-    bc = WeightBroadcaster(replicas[0], src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen)
+    bc = WeightBroadcaster(replicas[0], src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen,
+                               header_words=header_words)
     flats = [[b.flat for b in bc.buckets], bc.bind_replica(replicas[1], tag="replica1")]
     return WeightBuffers(DoubleBufferedWeights(replicas, flats), None, None, bc)
 

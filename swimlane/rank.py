@@ -8,12 +8,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
 from dvla.checkpoint import CheckpointManager
 from dvla.config import ConfigError, JobConfig
@@ -25,6 +27,7 @@ from dvla.types import RolloutBatch
 from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
 from swimlane.agreement import agree
+from swimlane.balance import Plan, Rebalancer, Throughput, stragglers
 from swimlane.build import (
     tuner_for,
     build_data_plane,
@@ -129,7 +132,8 @@ class RankLanes:
 
         self.publish_dtype = publish_dtype(sl, self.device)
         buffers = build_weights(self.policy, rank, world_size, self.groups.control, self.groups.stages,
-                                persistent_alloc(self.memory), rollout=self.is_rollout, dtype=self.publish_dtype)
+                                persistent_alloc(self.memory), rollout=self.is_rollout, dtype=self.publish_dtype,
+                                header_words=2 * world_size if sl.rebalance else 0)
         self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
                                                                  buffers.snap_flats, buffers.bc)
         if self.is_learner:  # after agreeing on (or resuming) the whole state, and copying it
@@ -149,6 +153,15 @@ class RankLanes:
         self._replies: LocalChannel[Reply] = LocalChannel()  # inference -> sampling
         self.slot = SnapshotSlot()  # learner lane -> publish lane (rank 0)
         self.history: list[dict[str, Any]] = []
+        # Imbalance between rollout ranks (swimlane/balance.py): measured by every learner,
+        # planned by rank 0 when rebalancing, the plan sent with each version.
+        self.throughput = Throughput(sl.balance_window_s) if self.is_learner else None
+        self.stragglers: list[int] = []
+        self.rebalancer = None
+        if sl.rebalance and rank == 0 and world_size > 1:
+            self.rebalancer = Rebalancer({r: pl.routes[r] for r in pl.rollout}, sl.env_groups + sl.spare_groups,
+                                         sl.env_groups, sl.straggler_factor, sl.balance_window_s)
+        self.plan_words = Plan().encode(world_size) if sl.rebalance else None  # no plan until measured
         self._start_time = time.perf_counter()
         self._start_unix = time.time()
 
@@ -235,7 +248,7 @@ class RankLanes:
                 rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
                 rollout_ranks=len(self.rollout_ranks), extras=self.policy.rollout_extras(),
                 cameras=cameras_of(self.policy), independent=self.sl.independent_envs, segment_len=self.sl.segment_len,
-                throttle_s=_THROTTLE_S,
+                active=self.sl.env_groups, throttle_s=_THROTTLE_S,
                 poll_s=_POLL_S),
         )
 
@@ -285,7 +298,8 @@ class RankLanes:
             version=lambda: self.version, finish_update=self._finish_update, check_health=self._check_health,
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
             stop_rollouts=self.rollout_stop.set, activations=self._activations,
-            turn=self.turns, before_update=lambda: self.order.before_update(self.version, self.stop_event))
+            turn=self.turns, before_update=lambda: self.order.before_update(self.version, self.stop_event),
+            throughput=self.throughput)
 
     def _retry_handoff(self) -> None:
         if self.slot.pending and self.slot.free:
@@ -296,6 +310,7 @@ class RankLanes:
         True after the last update (or when the time is up)."""
         self.version += 1
         stats, steps_global = self._global_stats(update.batch, update.env_steps)
+        stats.update(self._balance())
         self._env_steps = steps_global
         wall = time.perf_counter() - self._start_time
         totals = self.total_counters()
@@ -359,6 +374,64 @@ class RankLanes:
         steps = self.ledger.carried_env_steps + round(stats.pop("env_steps"))
         return episode_means(stats), steps
 
+    def _balance(self) -> dict[str, float]:
+        """Each rollout rank's speed (env steps per second of sampling per env group, over the
+        learners' windows), the stragglers named, and on rank 0 with rebalancing the plan the
+        next published version carries (:mod:`swimlane.balance`)."""
+        t = torch.zeros(self.world_size, 4, dtype=torch.float64)  # steps, sample_s, chunks, dropped
+        for r, d in self.throughput.by_rank().items():
+            if 0 <= r < self.world_size:
+                t[r] = torch.tensor([d.steps, d.sample_s, d.chunks, d.dropped], dtype=torch.float64)
+        if self.sl.learner_ranks > 1:
+            dist.all_reduce(t, group=self.groups.learner)
+        speed = {r: float(t[r, 0] / t[r, 1]) for r in self.rollout_ranks if t[r, 1] > 0}
+        slow = stragglers(speed, self.sl.straggler_factor)
+        if slow != self.stragglers and self.rank == 0:
+            if slow:
+                log.warning("straggler rollout rank(s) %s: %s env steps/s per env group, the median rank %.0f "
+                            "(swimlane.straggler_factor=%g)", slow, ", ".join(f"{speed[r]:.0f}" for r in slow),
+                            statistics.median(speed.values()), self.sl.straggler_factor)
+            else:
+                log.info("no straggler rollout rank any more")
+        self.stragglers = slow
+        m = {"stragglers": float(len(slow)), **{f"speed/rank{r}": v for r, v in speed.items()},
+             **{f"dropped_share/rank{r}": float(t[r, 3] / t[r, 2]) for r in self.rollout_ranks if t[r, 2] > 0}}
+        if self.rebalancer is not None:
+            moves = len(self.rebalancer.moves)
+            plan = self.rebalancer.update(speed, self.version)
+            for move in self.rebalancer.moves[moves:]:
+                log.warning("rebalancing at version %d: an env group moves from rank %d to rank %d (%s)",
+                            move.version, move.src, move.dst, move.reason)
+            self.plan_words = plan.encode(self.world_size)
+            if self.is_rollout:
+                self._apply_plan(self.plan_words)
+            m.update({"rebalance_moves": float(len(self.rebalancer.moves)),
+                      **{f"groups/rank{r}": float(a) for r, a in plan.active.items()},
+                      **{f"share/rank{r}": v for r, v in plan.shares.items()}})
+        return m
+
+    def _apply_plan(self, words: list[int]) -> None:
+        """A rebalancing plan (from the version header): this rank's share and env groups."""
+        try:
+            plan = Plan.decode(words)
+        except ValueError as exc:
+            log.error("ignored a rebalancing plan: %s", exc)
+            return
+        share, active = plan.shares.get(self.rank), plan.active.get(self.rank)
+        if self._sampling is not None and (share is not None or active is not None):
+            self._sampling.offer_plan(share, active)
+
+    def balance_summary(self) -> dict[str, Any]:
+        """What the learner saw of each rollout rank and env group in its last window."""
+        out: dict[str, Any] = {
+            "window_s": self.sl.balance_window_s, "stragglers": self.stragglers,
+            "by_rank": {str(r): vars(d) for r, d in sorted(self.throughput.by_rank().items())},
+            "by_group": {f"{r}/{g}": vars(d) for (r, g), d in sorted(self.throughput.by_group().items())}}
+        if self.rebalancer is not None:
+            out["moves"] = [vars(m) for m in self.rebalancer.moves]
+            out["plan"] = {"shares": self.rebalancer.plan.shares, "active": self.rebalancer.plan.active}
+        return out
+
     def _handoff(self, wait: bool) -> None:
         """Give the publish lane a snapshot of the current weights (one copy), unless it is
         still sending the previous one and ``wait`` is false: then this version is skipped
@@ -382,7 +455,7 @@ class RankLanes:
     def _publish(self, version: int) -> None:
         with self.tracer.span("broadcast", "publish"):
             if self.bc is not None:
-                self.bc.publish(version)
+                self.bc.publish(version, self.plan_words if self.sl.rebalance else None)
             if self.is_rollout:
                 self.weights.write(version, self.snap_flats)
         self.order.broadcast_done(version)
@@ -405,7 +478,8 @@ class RankLanes:
     def _receive_lane(self) -> None:
         """Other ranks: receive every published version into the standby replica."""
         ReceiveLane(broadcaster=self.bc, weights=self.weights, tracer=self.tracer, shutdown_marker=SHUTDOWN,
-                    order=self.order if self.order.enabled else None, stop=self.stop_event).run()
+                    order=self.order if self.order.enabled else None, stop=self.stop_event,
+                    on_header=self._apply_plan if self.sl.rebalance and self.is_rollout else None).run()
         self.rollout_stop.set()
 
     # -- run -------------------------------------------------------------------------------

@@ -213,6 +213,9 @@ class Swimlane(RankLanes):
             newest = max(range(2), key=lambda i: self.weights.versions[i])
             summary["replica_version"] = self.weights.versions[newest]
             summary["replica_digest"] = weights_digest(self.weights.replicas[newest])
+            if self._sampling is not None:  # env groups that stepped at the end, and the chunks each sent
+                summary["env_groups_active"] = self._sampling.active
+                summary["chunks_by_group"] = [g.chunks for g in self._sampling.groups]
         if self.world_size > 1 and self.is_rollout:
             summary["data_route"] = {"learner": self.placement.routes[self.rank],
                                      "transport": self.sink.sender.address.split("://")[0],  # as dialled
@@ -224,6 +227,7 @@ class Swimlane(RankLanes):
             summary["collective_sequence"] = [f"{op} {v}" for op, v in self.order.sequence]
         if self.is_learner:
             summary["chunk_accounting"] = self.chunk_accounting()
+            summary["balance"] = self.balance_summary()
             if self.world_size > 1:
                 c = self.source.receiver.counters
                 rc = self.source.receiver.cfg

@@ -135,26 +135,32 @@ def _separate_groups(rank, world, control):
 
 def _hierarchical(rank, world, control):
     """Two hosts, ranks [0, 1, 2] and [3, 4]: 0 sends to leader 3 once, then each leader
-    fans out on its own host. Receivers take versions into a separate standby copy."""
+    fans out on its own host. Receivers take versions into a separate standby copy, and
+    each version's header words (a rebalancing plan) reach every rank with it."""
     stages = hierarchical_stages(leaders=[0, 3], local_groups=[[0, 1, 2], [3, 4]], src=0)
     model = make_model(rank)
-    bc = WeightBroadcaster(model, src=0, group=control, bucket_bytes=1024, stages=stages)
+    bc = WeightBroadcaster(model, src=0, group=control, bucket_bytes=1024, stages=stages, header_words=3)
     standby = make_model(rank)
     into = bc.bind_replica(standby)
-    versions = []
+    versions, headers = [], []
     if rank == 0:
         for v in (1, 2):
             with torch.no_grad():
                 for p in model.parameters():
                     p.mul_(0.5).add_(v)
-            bc.publish(v)
+            bc.publish(v, header=[v, 10 * v, -1])
+        try:
+            bc.publish(3, header=[1])
+        except ValueError as exc:
+            headers.append(str(exc))
         bc.shutdown()
         standby = model
     else:
         while (v := bc.receive_version()) >= 0:
+            headers.append(bc.header)
             bc.receive_buckets(v, into=into)
             versions.append(v)
-    return {"digest": digest(standby), "versions": versions, "traffic": dict(bc.traffic),
+    return {"digest": digest(standby), "versions": versions, "headers": headers, "traffic": dict(bc.traffic),
             "stages": [(s.kind, s.root, s.size) for s in stages], "buckets": len(bc.buckets)}
 
 
@@ -243,6 +249,8 @@ def test_hierarchical_broadcast_crosses_hosts_once_then_fans_out():
     assert nb > 1
     for r in range(1, 5):
         assert res[r]["digest"] == res[0]["digest"] and res[r]["versions"] == [1, 2]
+        assert res[r]["headers"] == [[1, 10, -1], [2, 20, -1]]
+    assert "a header of 1 words, expected 3" in res[0]["headers"][0]
     assert res[0]["stages"] == [("inter", 0, 2), ("local", 0, 3)]
     assert res[3]["stages"] == [("inter", 0, 2), ("local", 3, 2)]
     assert res[4]["stages"] == [("local", 3, 2)]

@@ -23,7 +23,9 @@ rendered N observations, ``options.phase_after_s=S`` once S seconds have passed 
 built (a workload whose phases shift mid-run; in seconds, the shift comes at the same time
 however many env groups share the work). The work (hashing a
 buffer) runs in native code with the GIL released, as a C++/CUDA simulator's would, so
-other threads (inference, learning) can overlap with it.
+other threads (inference, learning) can overlap with it. ``options.render_wait_ms`` instead
+waits that long per render without using a core: a simulator on another, slower host, so
+that one machine can stand in for a cluster whose ranks differ in speed.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ COLORS = {
 class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
                "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0,
-               "phase_after": 0, "phase_after_s": 0.0, "render_cost_ms_after": 0.0}
+               "phase_after": 0, "phase_after_s": 0.0, "render_cost_ms_after": 0.0, "render_wait_ms": 0.0}
     WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
@@ -67,7 +69,8 @@ class FastReachEnv(GoalEnv):
         n = opts["n_targets"]
         if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(COLORS)):
             raise ConfigError(f"env.options.n_targets: must be an integer in [1, {len(COLORS)}], got {n!r}")
-        for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after", "phase_after_s"):
+        for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after", "phase_after_s",
+                    "render_wait_ms"):
             v = opts[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
@@ -93,6 +96,7 @@ class FastReachEnv(GoalEnv):
         self.privileged = bool(opts["privileged"])
         self.success_threshold = float(opts["radius"])
         self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
+        self.render_wait_s = float(opts["render_wait_ms"]) / 1000.0
         self.phase_after, self.render_cost_after_s = int(opts["phase_after"]), float(opts["render_cost_ms_after"]) / 1e3
         self.phase_at = time.perf_counter() + float(opts["phase_after_s"]) if opts["phase_after_s"] else None
         self.renders = 0
@@ -169,6 +173,8 @@ class FastReachEnv(GoalEnv):
             end = time.perf_counter() + cost
             while time.perf_counter() < end:
                 hashlib.sha256(_BURN)  # native, GIL released for buffers over 2 KiB
+        if self.render_wait_s > 0:
+            time.sleep(self.render_wait_s)
         return img.clamp_(0, 255).to(torch.uint8)
 
     def _observe(self) -> Observation:

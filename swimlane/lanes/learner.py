@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from dvla.types import RolloutBatch
+from swimlane.balance import Throughput
 from swimlane.chunks import concat
 from swimlane.health import StallTimer
 from swimlane.ledger import Ledger
@@ -67,20 +68,22 @@ class LearnerLane:
                  idle: Callable[[], None] = lambda: None, stop_rollouts: Callable[[], None] = lambda: None,
                  activations: Callable[[], ContextManager] = contextlib.nullcontext,
                  before_update: Callable[[], bool] = lambda: True,
-                 turn: Callable[[], ContextManager] = contextlib.nullcontext):
+                 turn: Callable[[], ContextManager] = contextlib.nullcontext,
+                 throughput: Throughput | None = None):
         """``version()``: the weights version being trained; ``finish_update(update)`` logs,
         checkpoints and publishes, and returns True after the last update;
         ``check_health(stall)`` raises when the run cannot go on (dead senders, a stall);
         ``idle()`` runs between polls (a skipped snapshot hand-over, say);
         ``before_update()`` gates the update's collectives (:mod:`swimlane.ordering`), False
         when the run stopped while waiting; ``turn()``: the context an update runs in
-        (:class:`swimlane.lanes.turns.Turns`)."""
+        (:class:`swimlane.lanes.turns.Turns`); ``throughput``: where every usable or stale
+        chunk is counted per rollout rank and env group (:mod:`swimlane.balance`)."""
         self.source, self.algo, self.generator = source, algo, generator
         self.ledger, self.tracer, self.cfg = ledger, tracer, cfg
         self.version, self.finish_update = version, finish_update
         self.check_health, self.stall, self.idle = check_health, stall, idle
         self.stop_rollouts, self.activations, self.before_update = stop_rollouts, activations, before_update
-        self.turn = turn
+        self.turn, self.throughput = turn, throughput
         self.consumed_steps = 0
         self.bad_in_a_row = 0
         self._pending: tuple[list[RolloutBatch], list[Any]] = ([], [])  # poll(): chunks so far
@@ -106,10 +109,12 @@ class LearnerLane:
         stale."""
         if self.reject(item):
             return
-        batch, _meta, on_done = item
+        batch, meta, on_done = item
         steps = env_steps(batch, self.cfg.independent)
         self.ledger.add("env_steps_sampled", steps)
         lag = self.version() - int(batch.policy_version[batch.valid].min()) if batch.valid.any() else 0
+        if self.throughput is not None:
+            self.throughput.add(meta, steps, dropped=lag > self.cfg.max_staleness)
         if lag > self.cfg.max_staleness:
             self.ledger.add("dropped_stale")
             now = time.perf_counter()

@@ -102,9 +102,12 @@ class ReceiveLane:
     its turn in the rank's order of collectives (:class:`swimlane.ordering.CollectiveOrder`)."""
 
     def __init__(self, *, broadcaster, weights, tracer: Tracer, shutdown_marker: int,
-                 order: CollectiveOrder | None = None, stop: threading.Event | None = None):
+                 order: CollectiveOrder | None = None, stop: threading.Event | None = None,
+                 on_header: Callable[[list[int]], None] | None = None):
+        """``on_header(words)``: handed each version's header (a rebalancing plan) as soon as
+        the version is announced."""
         self.bc, self.weights, self.tracer, self.shutdown_marker = broadcaster, weights, tracer, shutdown_marker
-        self.order, self.stop = order, stop or threading.Event()
+        self.order, self.stop, self.on_header = order, stop or threading.Event(), on_header
         self.last = -1  # newest version received
         self.with_frozen: set[int] = set()  # replicas that hold the frozen buckets
 
@@ -116,6 +119,8 @@ class ReceiveLane:
         version = self.bc.receive_version()
         if version == self.shutdown_marker:
             return False
+        if self.on_header is not None:
+            self.on_header(self.bc.header)
         if self.weights is None:  # a learner that does not roll out: pass the version on, keep nothing
             with self.tracer.span("broadcast", "relay"):
                 self.bc.relay_buckets(version)

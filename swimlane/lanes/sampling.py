@@ -60,6 +60,7 @@ class SamplingConfig:
     cameras: dict = field(default_factory=dict)  # name -> (C, H, W): the further cameras the policy reads
     independent: bool = False  # every env on its own clock (swimlane.independent_envs)
     segment_len: int = 0  # with independent: PPO segments of this many decisions (swimlane.segment_len)
+    active: int | None = None  # async: env groups that step at the start (None: all; spare groups wait)
     throttle_s: float = 2.0
     poll_s: float = 0.05
 
@@ -69,6 +70,7 @@ class GroupState:
     recorder: EpisodeRecorder | StreamRecorder | SegmentRecorder | None = None
     lease: Any = None
     chunks: int = 0  # chunks this group has sent
+    clock: float = 0.0  # when it started sampling its next chunk (its start, resume or last chunk)
 
 
 class SamplingLane:
@@ -89,9 +91,11 @@ class SamplingLane:
         self.failures = FailureBudget(len(envs), cfg.max_env_failures)
         self.admission: Admission | None = None
         self.parked: list[int] = []  # async: groups waiting to start a new batch of episodes
-        self.active = len(envs)  # async: the groups that step (the first ones; swimlane.autotune moves it)
+        self.active = cfg.active or len(envs)  # async: the groups that step (the first ones; swimlane.autotune and
+        # rebalancing plans move it)
         self.own_clock = OwnClock(self)  # the groups' steps with independent envs
         self.turns, self.serve = turns or Turns(), serve
+        self.plan: tuple[float | None, int | None] | None = None  # a rebalancing plan's part for this rank, to apply
 
     def stopping(self) -> bool:
         return self.stop.is_set() or self.halt.is_set()
@@ -99,6 +103,7 @@ class SamplingLane:
     # -- one group ------------------------------------------------------------------------
     def start(self, g: int) -> None:
         """Reset group ``g`` and ask for its first actions."""
+        self.groups[g].clock = time.perf_counter()
         if self.cfg.independent:
             self.own_clock.resume(g)
             return
@@ -155,7 +160,9 @@ class SamplingLane:
             self.ledger.add("env_steps_idle", state.recorder.t * c.n_envs - live)
             on_done = state.lease.release if state.lease is not None else None
             state.recorder = state.lease = None
-        meta = {"rank": c.rank, "group": g, "chunk": state.chunks}
+        now = time.perf_counter()
+        meta = {"rank": c.rank, "group": g, "chunk": state.chunks, "sample_s": now - state.clock}
+        state.clock = now
         state.chunks += 1
         with self.tracer.span("sampling", "send"):
             if self.sink.put(Chunk(batch, meta, on_done), self.stop):
@@ -235,9 +242,26 @@ class SamplingLane:
             self.parked.remove(ready[0])
             self.start(ready[0])
 
+    def offer_plan(self, share: float | None, active: int | None) -> None:
+        """From another thread: a rebalancing plan's share of this rank (admission) and env
+        groups that step, applied by the lane's own thread before its next unit of work."""
+        self.plan = (share, active)
+
+    def _apply_plan(self) -> None:
+        share, active = self.plan
+        self.plan = None
+        if share is not None:
+            self.admission.set_share(share, self.cfg.chunks_per_update)
+        if active is not None:
+            self.active = max(1, min(active, len(self.envs)))
+        if self.parked and min(self.parked) < self.active:  # groups that may step now
+            self.start_admitted()
+
     def step(self) -> bool:
         """Async: one unit of work (wait for admission, or handle one reply); False when
         the lane should end."""
+        if self.plan is not None:
+            self._apply_plan()
         if len(self.parked) == len(self.envs):  # every group throttled: wait for newer weights
             with self.tracer.span("sampling", "throttle"):
                 fresh = self.weights.wait_for(self.admission.needed(), self.stop, timeout=self.cfg.throttle_s)

@@ -1,0 +1,199 @@
+"""Imbalance between rollout ranks, seen from the learners, and the plan that answers it.
+
+A rollout rank that is several times slower than the others (a heavier scene, a shared host)
+holds the whole run back in async mode: admission gives every rank routed to a learner an
+equal share of the chunks each version consumes (:mod:`swimlane.admission`), so the fast
+ranks wait for weights the slow one has not yet earned. Two parts fix that:
+
+* :class:`Throughput` (every learner): what each rollout rank and env group delivered over
+  a sliding window of ``window_s`` seconds: chunks, env steps and stale chunks dropped, and
+  the time its chunks took to sample (``sample_s`` in the chunk's metadata: from the
+  group's start or its previous chunk, parked time excluded, so admission's waits do not
+  count against a rank). A rank's *speed* is env steps per second of sampling per env
+  group; :func:`stragglers` names the ranks slower than ``1/k`` of the median.
+* :class:`Rebalancer` (rank 0, ``swimlane.rebalance``): a :class:`Plan` per published
+  version. Each rank's share of its learner's chunks follows its measured capacity (its
+  speed times its active groups), so admission stops holding fast ranks back; and a
+  straggler hands one active env group at a time to the fastest rank that has a spare one
+  built (``swimlane.spare_groups``), at most one move per window. The plan travels in the
+  weights version's header on the control plane (:class:`planes.control.WeightBroadcaster`),
+  so a rank applies it when the version arrives, without a collective of its own: the moved
+  group's running batch finishes and is sent on the old rank, then it parks; a spare group
+  on the new rank starts fresh episodes.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+SHARE_SCALE = 1_000_000  # shares travel as integers in millionths
+NO_PLAN = -1
+
+
+@dataclass
+class Delivered:
+    """What one rollout rank (or env group) delivered in the window."""
+
+    chunks: int = 0
+    steps: int = 0
+    dropped: int = 0  # chunks too stale to learn from
+    sample_s: float = 0.0  # seconds its chunks took to sample, summed
+
+    @property
+    def speed(self) -> float:
+        """Env steps per second of sampling (0 before any chunk)."""
+        return self.steps / self.sample_s if self.sample_s > 0 else 0.0
+
+
+class Throughput:
+    """Chunks that reached a learner, per (rollout rank, env group), over the last
+    ``window_s`` seconds."""
+
+    def __init__(self, window_s: float = 10.0, clock=time.monotonic):
+        self.window_s, self.clock = window_s, clock
+        self.events: collections.deque[tuple[float, int, int, int, bool, float]] = collections.deque()
+
+    def add(self, meta: dict, steps: int, dropped: bool) -> None:
+        """A chunk (its metadata as sent: ``rank``, ``group``, ``sample_s``; a chunk whose
+        metadata does not say is not counted)."""
+        rank, group, sample_s = meta.get("rank"), meta.get("group"), meta.get("sample_s")
+        if not (isinstance(rank, int) and isinstance(group, int) and isinstance(sample_s, (int, float))
+                and not isinstance(rank, bool) and math.isfinite(sample_s) and sample_s >= 0):
+            return
+        self.events.append((self.clock(), rank, group, steps, dropped, float(sample_s)))
+
+    def _trim(self) -> None:
+        old = self.clock() - self.window_s
+        while self.events and self.events[0][0] < old:
+            self.events.popleft()
+
+    def by_group(self) -> dict[tuple[int, int], Delivered]:
+        self._trim()
+        out: dict[tuple[int, int], Delivered] = collections.defaultdict(Delivered)
+        for _, rank, group, steps, dropped, sample_s in self.events:
+            d = out[(rank, group)]
+            d.chunks += 1
+            d.steps += steps
+            d.dropped += dropped
+            d.sample_s += sample_s
+        return dict(out)
+
+    def by_rank(self) -> dict[int, Delivered]:
+        out: dict[int, Delivered] = collections.defaultdict(Delivered)
+        for (rank, _), g in self.by_group().items():
+            d = out[rank]
+            d.chunks += g.chunks
+            d.steps += g.steps
+            d.dropped += g.dropped
+            d.sample_s += g.sample_s
+        return dict(out)
+
+
+def stragglers(speed: dict[int, float], k: float) -> list[int]:
+    """The ranks whose speed is below ``1/k`` of the median (none with fewer than 2 ranks)."""
+    if len(speed) < 2:
+        return []
+    median = statistics.median(speed.values())
+    return sorted(r for r, s in speed.items() if s < median / k)
+
+
+@dataclass
+class Plan:
+    """Per rollout rank: its share of its learner's chunks (admission) and how many env
+    groups step."""
+
+    shares: dict[int, float] = field(default_factory=dict)
+    active: dict[int, int] = field(default_factory=dict)
+
+    def encode(self, world_size: int) -> list[int]:
+        """``2 * world_size`` integers for the version header: per rank, share in millionths
+        and active groups (``NO_PLAN`` where the plan says nothing)."""
+        out = [NO_PLAN] * (2 * world_size)
+        for r, s in self.shares.items():
+            out[2 * r] = round(s * SHARE_SCALE)
+        for r, a in self.active.items():
+            out[2 * r + 1] = a
+        return out
+
+    @classmethod
+    def decode(cls, words: list[int]) -> "Plan":
+        """The inverse of :meth:`encode`; raises ValueError on words no plan produces."""
+        if len(words) % 2:
+            raise ValueError(f"a plan has two words per rank, got {len(words)}")
+        plan = cls()
+        for r in range(len(words) // 2):
+            share, active = words[2 * r], words[2 * r + 1]
+            if share != NO_PLAN:
+                if not 0 < share <= SHARE_SCALE:
+                    raise ValueError(f"plan: rank {r}'s share {share} is outside (0, {SHARE_SCALE}]")
+                plan.shares[r] = share / SHARE_SCALE
+            if active != NO_PLAN:
+                if active < 1:
+                    raise ValueError(f"plan: rank {r} would run {active} env groups")
+                plan.active[r] = active
+        return plan
+
+
+@dataclass
+class Move:
+    """One env group handed from a straggler to a faster rank."""
+
+    version: int
+    src: int
+    dst: int
+    reason: str
+
+
+class Rebalancer:
+    """Rank 0's planner (see the module's docstring). ``routes``: rollout rank -> its
+    learner; ``built``: env groups each rollout rank has; ``active``: how many step at the
+    start."""
+
+    def __init__(self, routes: dict[int, int], built: int, active: int, k: float, window_s: float,
+                 clock=time.monotonic):
+        self.routes, self.built, self.k, self.window_s, self.clock = routes, built, k, window_s, clock
+        self.plan = Plan(shares=self._equal(), active={r: active for r in routes})
+        self.moves: list[Move] = []
+        self._last_move = -math.inf
+
+    def _equal(self) -> dict[int, float]:
+        senders = collections.Counter(self.routes.values())
+        return {r: 1.0 / senders[learner] for r, learner in self.routes.items()}
+
+    def update(self, speed: dict[int, float], version: int) -> Plan:
+        """The plan for ``version`` from the ranks' measured speeds (env steps per second
+        of sampling per env group; ranks not yet measured keep what they have)."""
+        plan = self.plan
+        measured = {r: s for r, s in speed.items() if r in self.routes and s > 0}
+        if len(measured) == len(self.routes):
+            capacity = {r: measured[r] * plan.active[r] for r in self.routes}
+            per_learner = collections.defaultdict(float)
+            for r, c in capacity.items():
+                per_learner[self.routes[r]] += c
+            plan.shares = {r: max(c / per_learner[self.routes[r]], 1.0 / SHARE_SCALE) for r, c in capacity.items()}
+            self._maybe_move(measured, version)
+        return plan
+
+    def _maybe_move(self, speed: dict[int, float], version: int) -> None:
+        now = self.clock()
+        if now - self._last_move < self.window_s:  # the last move's effect is not measured yet
+            return
+        slow = [r for r in stragglers(speed, self.k) if self.plan.active[r] > 1]
+        room = [r for r in self.routes if self.plan.active[r] < self.built and r not in slow]
+        if not slow or not room:
+            return
+        src = min(slow, key=lambda r: speed[r])
+        dst = max(room, key=lambda r: speed[r])
+        if speed[dst] <= speed[src] * self.k:
+            return
+        median = statistics.median(speed.values())
+        self.plan.active[src] -= 1
+        self.plan.active[dst] += 1
+        self.moves.append(Move(version, src, dst, f"rank {src} samples {speed[src]:.0f} env steps/s per group, "
+                                                  f"below 1/{self.k:g} of the median {median:.0f}; rank {dst}: "
+                                                  f"{speed[dst]:.0f}"))
+        self._last_move = now
