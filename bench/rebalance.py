@@ -1,0 +1,87 @@
+"""Rebalancing around a straggler: static placement against ``swimlane.rebalance``.
+
+One machine stands in for a skewed cluster. ``torchrun`` starts three ranks: rank 0 learns
+(``swimlane.colocate=false``), ranks 1 and 2 roll out ``fast_reach`` (the learning preset,
+GRPO) with two env groups each. Every render waits ``--wait-ms`` (``env.options.
+render_wait_ms``: a simulator on a host of its own, which uses no core here), and rank 2's
+waits ``--slow`` times longer: it is that many times slower. The workload is synthetic.
+
+* ``static``: shares and env groups fixed at start (admission gives both ranks half of the
+  learner's chunks, so rank 1 waits for weights that rank 2 has not earned yet);
+* ``adaptive``: ``swimlane.rebalance=true`` with one spare group per rank: shares follow
+  the measured speeds and rank 2 hands env groups to rank 1 (swimlane/balance.py).
+
+Each repeat runs both, the order alternating. Printed per run and as medians: env steps per
+second consumed by the learner (its run's ``env_steps_per_s``), and the mean success rate of
+the last quarter of the updates (so that faster data does not come at the cost of learning).
+Target (issue #21): adaptive >= 1.3x static env steps/s, success within noise.
+
+    python bench/rebalance.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def run(out: Path, adaptive: bool, args) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m",
+           "dvla.launch", "--preset", "fast_reach", "swimlane.colocate=false", "swimlane.env_groups=2",
+           "run.torch_threads=1", "run.progress=false", f"run.iterations={args.iterations}",
+           f"env.options.render_wait_ms={args.wait_ms}",
+           f"env.rank_options.2.render_wait_ms={args.wait_ms * args.slow}",
+           f"swimlane.max_staleness={args.max_staleness}", f"run.out_dir={out}", "run.name=r",
+           *(["swimlane.rebalance=true", "swimlane.spare_groups=1", f"swimlane.balance_window_s={args.window_s}",
+               f"swimlane.straggler_factor={args.straggler_factor}"]
+             if adaptive else []), *args.set]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1200)
+    s = json.loads((out / "r" / "summary.json").read_text())
+    rows = [json.loads(line) for line in (out / "r" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    tail = [r["success_rate"] for r in rows[-max(1, len(rows) // 4):] if r.get("success_rate") is not None]
+    return {"sps": s["env_steps_per_s"], "success": sum(tail) / max(len(tail), 1),
+            "moves": len(s.get("balance", {}).get("moves", []))}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iterations", type=int, default=60)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--wait-ms", type=float, default=25.0)
+    p.add_argument("--slow", type=float, default=3.0, help="how many times slower rank 2 renders")
+    p.add_argument("--max-staleness", type=int, default=2)
+    p.add_argument("--window-s", type=float, default=5.0)
+    p.add_argument("--straggler-factor", type=float, default=1.5,
+                   help="with two rollout ranks the median is their mean: a rank 3x slower is below 1/1.5 of it")
+    p.add_argument("--set", nargs="*", default=[], help="further overrides KEY=VALUE for both")
+    args = p.parse_args()
+    got = {False: [], True: []}
+    ratios = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.repeats):
+            order = (False, True) if i % 2 == 0 else (True, False)
+            res = {mode: run(Path(tmp) / f"r{i}_{mode}", mode, args) for mode in order}
+            for mode in order:
+                got[mode].append(res[mode])
+            ratios.append(res[True]["sps"] / res[False]["sps"])
+            print(f"repeat {i}: static {res[False]['sps']:.0f} env steps/s (success {res[False]['success']:.2f}), "
+                  f"adaptive {res[True]['sps']:.0f} (success {res[True]['success']:.2f}, {res[True]['moves']} "
+                  f"group moves): {ratios[-1]:.2f}x", flush=True)
+
+    def med(mode, key):
+        return statistics.median(r[key] for r in got[mode])
+
+    print(f"median: static {med(False, 'sps'):.0f} env steps/s, success {med(False, 'success'):.2f}; adaptive "
+          f"{med(True, 'sps'):.0f}, success {med(True, 'success'):.2f}; ratio {statistics.median(ratios):.2f}x "
+          f"(target >= 1.3x)")
+
+
+if __name__ == "__main__":
+    main()
