@@ -13,7 +13,8 @@ ranks wait for weights the slow one has not yet earned. Two parts fix that:
   group; :func:`stragglers` names the ranks slower than ``1/k`` of the median.
 * :class:`Rebalancer` (rank 0, ``swimlane.rebalance``): a :class:`Plan` per published
   version. Each rank's share of its learner's chunks follows its measured capacity (its
-  speed times its active groups), so admission stops holding fast ranks back; and a
+  speed times its active groups, with :data:`HEADROOM`), so admission stops holding fast
+  ranks back; and a
   straggler hands one active env group at a time to the fastest rank that has a spare one
   built (``swimlane.spare_groups``), at most one move per window. The plan travels in the
   weights version's header on the control plane (:class:`planes.control.WeightBroadcaster`),
@@ -31,6 +32,10 @@ import time
 from dataclasses import dataclass, field
 
 SHARE_SCALE = 1_000_000  # shares travel as integers in millionths
+HEADROOM = 1.2
+"""A rank's share is its measured share of capacity times this: with exact shares every bit of
+noise in the measurement would hold some rank back; a fifth more never binds in the steady
+state and still bounds how far a rank runs ahead of the learner."""
 NO_PLAN = -1
 
 
@@ -174,7 +179,8 @@ class Rebalancer:
             per_learner = collections.defaultdict(float)
             for r, c in capacity.items():
                 per_learner[self.routes[r]] += c
-            plan.shares = {r: max(c / per_learner[self.routes[r]], 1.0 / SHARE_SCALE) for r, c in capacity.items()}
+            plan.shares = {r: min(max(HEADROOM * c / per_learner[self.routes[r]], 1.0 / SHARE_SCALE), 1.0)
+                           for r, c in capacity.items()}
             self._maybe_move(measured, version)
         return plan
 

@@ -157,6 +157,7 @@ class RankLanes:
         # planned by rank 0 when rebalancing, the plan sent with each version.
         self.throughput = Throughput(sl.balance_window_s) if self.is_learner else None
         self.stragglers: list[int] = []
+        self.named_stragglers: set[int] = set()  # every rank named a straggler so far
         self.rebalancer = None
         if sl.rebalance and rank == 0 and world_size > 1:
             self.rebalancer = Rebalancer({r: pl.routes[r] for r in pl.rollout}, sl.env_groups + sl.spare_groups,
@@ -386,13 +387,13 @@ class RankLanes:
             dist.all_reduce(t, group=self.groups.learner)
         speed = {r: float(t[r, 0] / t[r, 1]) for r in self.rollout_ranks if t[r, 1] > 0}
         slow = stragglers(speed, self.sl.straggler_factor)
-        if slow != self.stragglers and self.rank == 0:
-            if slow:
-                log.warning("straggler rollout rank(s) %s: %s env steps/s per env group, the median rank %.0f "
-                            "(swimlane.straggler_factor=%g)", slow, ", ".join(f"{speed[r]:.0f}" for r in slow),
-                            statistics.median(speed.values()), self.sl.straggler_factor)
-            else:
-                log.info("no straggler rollout rank any more")
+        if slow != self.stragglers and self.rank == 0:  # a warning the first time a rank is named
+            first = set(slow) - self.named_stragglers
+            (log.warning if first else log.info)(
+                "straggler rollout rank(s) %s: %s env steps/s per env group, the median rank %.0f "
+                "(swimlane.straggler_factor=%g)", slow or "none", ", ".join(f"{speed[r]:.0f}" for r in slow) or "-",
+                statistics.median(speed.values()), self.sl.straggler_factor)
+            self.named_stragglers |= first
         self.stragglers = slow
         m = {"stragglers": float(len(slow)), **{f"speed/rank{r}": v for r, v in speed.items()},
              **{f"dropped_share/rank{r}": float(t[r, 3] / t[r, 2]) for r in self.rollout_ranks if t[r, 2] > 0}}

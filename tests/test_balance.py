@@ -4,7 +4,7 @@ named a straggler, the plan (shares and env groups moved) and how it travels and
 import pytest
 
 from swimlane.admission import Admission
-from swimlane.balance import NO_PLAN, Plan, Rebalancer, Throughput, stragglers
+from swimlane.balance import HEADROOM, NO_PLAN, Plan, Rebalancer, Throughput, stragglers
 
 
 class Clock:
@@ -66,8 +66,8 @@ def test_the_rebalancer_shares_by_capacity_and_moves_one_group_per_window_within
     plan = reb.update(speeds, version=2)
     assert plan.active == {1: 3, 2: 4, 3: 2}  # the straggler handed a group to the fastest rank
     assert reb.moves[-1].src == 3 and reb.moves[-1].dst == 2 and "rank 3" in reb.moves[-1].reason
-    total = (100 + 120 + 20) * 3  # shares come from the capacity before the move
-    assert plan.shares == pytest.approx({1: 300 / total, 2: 360 / total, 3: 60 / total})
+    total = (100 + 120 + 20) * 3  # shares come from the capacity before the move, with headroom
+    assert plan.shares == pytest.approx({r: HEADROOM * c / total for r, c in ((1, 300), (2, 360), (3, 60))})
     clock.t = 5.0
     reb.update(speeds, version=3)
     assert len(reb.moves) == 1  # one move per window
@@ -77,14 +77,17 @@ def test_the_rebalancer_shares_by_capacity_and_moves_one_group_per_window_within
     clock.t = 40.0
     reb.update(speeds, version=5)
     assert len(reb.moves) == 2  # a straggler keeps its last group
-    assert sum(reb.plan.shares.values()) == pytest.approx(1.0)
+    assert sum(reb.plan.shares.values()) == pytest.approx(HEADROOM)
     assert reb.plan.shares[3] < reb.plan.shares[1]
 
 
 def test_shares_are_normalised_per_learner():
     reb = Rebalancer({2: 0, 3: 0, 4: 1, 5: 1}, built=1, active=1, k=4.0, window_s=1.0)
     plan = reb.update({2: 100.0, 3: 300.0, 4: 50.0, 5: 50.0}, version=1)
-    assert plan.shares == pytest.approx({2: 0.25, 3: 0.75, 4: 0.5, 5: 0.5})
+    assert plan.shares == pytest.approx({2: 0.25 * HEADROOM, 3: 0.75 * HEADROOM, 4: 0.5 * HEADROOM,
+                                         5: 0.5 * HEADROOM})
+    plan = reb.update({2: 1.0, 3: 300.0, 4: 50.0, 5: 50.0}, version=2)
+    assert plan.shares[3] == 1.0  # at most all of its learner's chunks
 
 
 def test_a_share_changes_admission_pace_without_moving_what_was_counted():
