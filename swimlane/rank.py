@@ -392,7 +392,7 @@ class RankLanes:
             (log.warning if first else log.info)(
                 "straggler rollout rank(s) %s: %s env steps/s per env group, the median rank %.0f "
                 "(swimlane.straggler_factor=%g)", slow or "none", ", ".join(f"{speed[r]:.0f}" for r in slow) or "-",
-                statistics.median(speed.values()), self.sl.straggler_factor)
+                statistics.median(speed.values()) if speed else 0.0, self.sl.straggler_factor)
             self.named_stragglers |= first
         self.stragglers = slow
         m = {"stragglers": float(len(slow)), **{f"speed/rank{r}": v for r, v in speed.items()},
