@@ -85,14 +85,17 @@ def step_row(obs: Observation, out: ActOutput, res: StepResult, version: int, li
             **{EXTRAS_PREFIX + n: out.extras[n] for n in extras}}
 
 
-class _Chunk:
-    """A chunk being filled: its tensors, who frees them, and how many columns are
-    handed out and hold an ended episode (its bootstrap value written)."""
+class OpenChunk:
+    """A chunk being filled: its tensors, who frees them, and its progress: for the
+    :class:`StreamRecorder`, the columns handed out and those holding an ended episode (its
+    bootstrap value written); for :class:`dvla.segments.SegmentRecorder`, the values still
+    owed to it."""
 
     def __init__(self, tensors: dict[str, Tensor], release: Callable[[], None] | None):
         self.t, self.release = tensors, release
         self.assigned = 0
         self.ended = 0
+        self.owed = 0
 
 
 class StreamRecorder:
@@ -120,12 +123,12 @@ class StreamRecorder:
         self.spec, self.b, self.k, self.t_len = spec, n_envs, action_chunk, episode_len
         self.group_size, self.has_value, self.prepare = group_size, has_value, prepare
         self.lease, self.extras, self.cameras, self.group_id = lease, extras or {}, cameras or {}, group_id
-        self.chunks: list[_Chunk] = []
-        self.where: list[_Chunk | None] = [None] * n_envs  # the chunk of each env's episode
+        self.chunks: list[OpenChunk] = []
+        self.where: list[OpenChunk | None] = [None] * n_envs  # the chunk of each env's episode
         self.col = torch.zeros(n_envs, dtype=torch.long)
         self.pos = torch.zeros(n_envs, dtype=torch.long)  # decisions recorded of each env's episode
         self.live = torch.zeros(n_envs, dtype=torch.bool)  # False: ended, waiting for its group's restart
-        self.pending: list[tuple[_Chunk, int, int, Observation]] = []  # (chunk, column, row, final obs): bootstraps
+        self.pending: list[tuple[OpenChunk, int, int, Observation]] = []  # (chunk, column, row, final obs): bootstraps
         self.groups = 0  # episode groups started
         self.obs: Observation | None = None
         self.ids = self.mask = None
@@ -141,11 +144,11 @@ class StreamRecorder:
             raise ValueError("StreamRecorder needs prepared observations (instruction ids and mask)")
         self.obs, self.ids, self.mask = obs, obs.instruction_ids, obs.instruction_mask
 
-    def _new_chunk(self) -> _Chunk:
+    def _new_chunk(self) -> OpenChunk:
         alloc, release = self.lease() if self.lease is not None else (None, None)
         alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         fields = rollout_fields(self.spec, self.k, self.t_len, self.b, self.ids.shape[1], self.extras, self.cameras)
-        chunk = _Chunk({name: alloc(shape, dtype).zero_() for name, (shape, dtype) in fields.items()}, release)
+        chunk = OpenChunk({name: alloc(shape, dtype).zero_() for name, (shape, dtype) in fields.items()}, release)
         self.chunks.append(chunk)
         return chunk
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from dvla.envs.base import EnvSpec
-from dvla.episodes import Alloc, _Chunk, rollout_fields, step_row
+from dvla.episodes import Alloc, OpenChunk, rollout_fields, step_row
 from dvla.policy import ActOutput, ExtraSpec
 from dvla.types import Observation, RolloutBatch, StepResult, cat_observations, observation_rows
 
@@ -53,13 +53,13 @@ class SegmentRecorder:
         self.spec, self.b, self.k, self.t_len = spec, n_envs, action_chunk, segment_len
         self.prepare, self.lease, self.group_id = prepare, lease, group_id
         self.extras, self.cameras = extras or {}, cameras or {}
-        self.chunks: list[_Chunk] = []  # the full chunk still owed values (if any), then the one filling
+        self.chunks: list[OpenChunk] = []  # the full chunk still owed values (if any), then the one filling
         self.t = 0  # decisions recorded in the newest chunk
         self.columns = 0  # columns opened so far
         self.live = torch.ones(n_envs, dtype=torch.bool)  # every env steps (restarts are never held)
         self.gap = torch.zeros(n_envs, dtype=torch.bool)  # out of its column until the next chunk
-        self.tails: tuple[_Chunk, Tensor] | None = None  # (full chunk, envs cut inside an episode)
-        self.pending: list[tuple[_Chunk, int, int, Observation]] = []  # (chunk, column, step, final obs)
+        self.tails: tuple[OpenChunk, Tensor] | None = None  # (full chunk, envs cut inside an episode)
+        self.pending: list[tuple[OpenChunk, int, int, Observation]] = []  # (chunk, column, step, final obs)
         self.ep_return = torch.zeros(n_envs, dtype=torch.float64)
         self.ep_len = torch.zeros(n_envs, dtype=torch.long)
         self.obs: Observation | None = None
@@ -87,16 +87,15 @@ class SegmentRecorder:
         truncated episodes' last observations."""
         return self.tails is not None or bool(self.pending)
 
-    def _open(self) -> _Chunk:
+    def _open(self) -> OpenChunk:
         alloc, release = self.lease() if self.lease is not None else (None, None)
         alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         fields = rollout_fields(self.spec, self.k, self.t_len, self.b, self.ids.shape[1], self.extras, self.cameras)
-        chunk = _Chunk({name: alloc(shape, dtype).zero_() for name, (shape, dtype) in fields.items()}, release)
+        chunk = OpenChunk({name: alloc(shape, dtype).zero_() for name, (shape, dtype) in fields.items()}, release)
         chunk.t["instruction_ids"].copy_(self.ids.to(torch.int64).cpu())
         chunk.t["instruction_mask"].copy_(self.mask.cpu())
         chunk.t["group_ids"].copy_(torch.tensor([self.group_id(self.columns + i) for i in range(self.b)]))
         self.columns += self.b
-        chunk.owed = 0  # values still to come for it
         self.chunks.append(chunk)
         self.t, self.gap = 0, torch.zeros(self.b, dtype=torch.bool)
         return chunk
