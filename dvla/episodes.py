@@ -98,7 +98,33 @@ class OpenChunk:
         self.owed = 0
 
 
-class StreamRecorder:
+class ChunkRecorder:
+    """What the recorders of envs on their own clock share: the chunks being filled, oldest
+    first, taken out once :attr:`ready`."""
+
+    chunks: list[OpenChunk]
+    pending: list
+
+    @property
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def pop(self) -> tuple[RolloutBatch, Callable[[], None] | None]:
+        """The oldest chunk (once :attr:`ready`) and the callback that frees its tensors."""
+        if not self.ready:
+            raise RuntimeError("no chunk is complete yet")
+        chunk = self.chunks.pop(0)
+        return RolloutBatch.from_dict(chunk.t), chunk.release
+
+    def close(self) -> None:
+        """Drop every chunk being filled (their tensors freed)."""
+        for chunk in self.chunks:
+            if chunk.release is not None:
+                chunk.release()
+        self.chunks, self.pending = [], []
+
+
+class StreamRecorder(ChunkRecorder):
     """Records the episodes of one env group on its own clock into chunks of ``n_envs``
     episodes (see the module's docstring).
 
@@ -272,16 +298,3 @@ class StreamRecorder:
         first = self.chunks[0]
         return first.ended + sum(p[0] is first for p in self.pending) == self.b
 
-    def pop(self) -> tuple[RolloutBatch, Callable[[], None] | None]:
-        """The oldest chunk (once :attr:`ready`) and the callback that frees its tensors."""
-        if not self.ready:
-            raise RuntimeError("no chunk is complete yet")
-        chunk = self.chunks.pop(0)
-        return RolloutBatch.from_dict(chunk.t), chunk.release
-
-    def close(self) -> None:
-        """Drop every chunk being filled (their tensors freed)."""
-        for chunk in self.chunks:
-            if chunk.release is not None:
-                chunk.release()
-        self.chunks, self.pending = [], []

@@ -30,12 +30,12 @@ import torch
 from torch import Tensor
 
 from dvla.envs.base import EnvSpec
-from dvla.episodes import Alloc, OpenChunk, rollout_fields, step_row
+from dvla.episodes import Alloc, ChunkRecorder, OpenChunk, rollout_fields, step_row
 from dvla.policy import ActOutput, ExtraSpec
-from dvla.types import Observation, RolloutBatch, StepResult, cat_observations, observation_rows
+from dvla.types import Observation, StepResult, cat_observations, observation_rows
 
 
-class SegmentRecorder:
+class SegmentRecorder(ChunkRecorder):
     """Records one env group into chunks of ``segment_len`` decisions per env (see the
     module's docstring). Same protocol as :class:`dvla.episodes.StreamRecorder`:
     :meth:`begin`, then act on :meth:`request_obs`, step, :meth:`record`; once :attr:`full`,
@@ -178,16 +178,7 @@ class SegmentRecorder:
         """The oldest chunk is full and every value it needs is written."""
         return bool(self.chunks) and (len(self.chunks) > 1 or self.t == self.t_len) and self.chunks[0].owed == 0
 
-    def pop(self) -> tuple[RolloutBatch, Callable[[], None] | None]:
-        """The oldest chunk (once :attr:`ready`) and the callback that frees its tensors."""
-        if not self.ready:
-            raise RuntimeError("no chunk is complete yet")
-        chunk = self.chunks.pop(0)
-        return RolloutBatch.from_dict(chunk.t), chunk.release
-
     def close(self) -> None:
-        """Drop every chunk being filled (their tensors freed)."""
-        for chunk in self.chunks:
-            if chunk.release is not None:
-                chunk.release()
-        self.chunks, self.pending, self.tails = [], [], None
+        """Drop every chunk being filled (their tensors freed) and the values owed to them."""
+        super().close()
+        self.tails = None

@@ -22,7 +22,7 @@ full chunk still needs, sends it, and parks until admitted.
 
 from __future__ import annotations
 
-from dvla.episodes import StreamRecorder
+from dvla.episodes import ChunkRecorder, StreamRecorder
 from dvla.segments import SegmentRecorder
 from swimlane.lanes.messages import Reply, Request
 
@@ -105,58 +105,57 @@ class OwnClock:
     def open_chunks(self) -> int:
         """Chunks being filled in every group: about as many leave before a new one."""
         return sum(len(s.recorder.chunks) for s in self.lane.groups
-                   if isinstance(s.recorder, (StreamRecorder, SegmentRecorder)))
+                   if isinstance(s.recorder, ChunkRecorder))
 
     def on_reply(self, reply: Reply) -> bool:
         """Advance the reply's group; True when it stops for now (sync: it sent its chunk of
         the round; async: it sent everything and parks until admitted)."""
-        lane, n = self.lane, self.lane.cfg.n_envs
-        g, rec, env = reply.group, lane.groups[reply.group].recorder, lane.envs[reply.group]
-        if isinstance(rec, SegmentRecorder):
-            return self._on_segment_reply(reply, rec)
-        if reply.kind == "value":
-            rec.fill(reply.out)
-        else:
+        g, rec, env = reply.group, self.lane.groups[reply.group].recorder, self.lane.envs[reply.group]
+        segments = isinstance(rec, SegmentRecorder)
+        if reply.kind != "value" and not segments:
             self.gate(g)
-            res = lane.simulate(g, reply.out.actions[:n])
-            if res is None:
-                return False
-            live, idle = rec.record(reply.out, res, reply.version)
-            lane.ledger.add("env_steps_live", live)
-            lane.ledger.add("env_steps_idle", idle)
-        while rec.ready:
-            lane.emit(g, None)
-            if lane.cfg.mode == "sync":
-                return True
+        stop = self._advance(reply, rec)
+        if stop is not None:
+            return stop
+        if segments:
+            return self._next_segment(g, rec)
         if env.restart_limit == 0 and rec.drained:  # nothing runs: send what it holds, then wait
             rec.flush()
             while rec.ready:
-                lane.emit(g, None)
+                self.lane.emit(g, None)
             return True
         self.ask(g)
         return False
 
-    def _on_segment_reply(self, reply: Reply, rec: SegmentRecorder) -> bool:
-        """:meth:`on_reply` for PPO segments (see the module's docstring)."""
-        lane, g = self.lane, reply.group
+    def _advance(self, reply: Reply, rec) -> bool | None:
+        """Take the reply in (values, or a step simulated and recorded) and send every chunk it
+        completed. A bool when that settles :meth:`on_reply`'s answer: False after a failed
+        step (the group starts anew), True once sync mode sent the round's chunk."""
+        lane = self.lane
         if reply.kind == "value":
             rec.fill(reply.out)
         else:
-            res = lane.simulate(g, reply.out.actions[:rec.b])
+            res = lane.simulate(reply.group, reply.out.actions[:rec.b])
             if res is None:
                 return False
             live, idle = rec.record(reply.out, res, reply.version)
             lane.ledger.add("env_steps_live", live)
             lane.ledger.add("env_steps_idle", idle)
         while rec.ready:
-            lane.emit(g, None)
+            lane.emit(reply.group, None)
             if lane.cfg.mode == "sync":
                 return True
-        if rec.full and (lane.cfg.mode == "sync" or not self.may_open(g)):
+        return None
+
+    def _next_segment(self, g: int, rec: SegmentRecorder) -> bool:
+        """PPO segments, after a reply: act on; once the chunk is full and the group may not
+        open another, ask for the values it still needs, then park (see the module's
+        docstring)."""
+        if rec.full and (self.lane.cfg.mode == "sync" or not self.may_open(g)):
             if not rec.owes_values:
                 return True  # its chunks are sent: parked until admitted (sync: the next round)
             kind = "value"
         else:
             kind = "act"
-        lane.requests.put(Request(g, kind, rec.request_obs()))
+        self.lane.requests.put(Request(g, kind, rec.request_obs()))
         return False

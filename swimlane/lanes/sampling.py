@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from dvla.episodes import StreamRecorder
+from dvla.episodes import ChunkRecorder, StreamRecorder
 from dvla.segments import SegmentRecorder
 from dvla.rollout import EpisodeRecorder
 from swimlane.lanes.own_clock import OwnClock
@@ -136,7 +136,7 @@ class SamplingLane:
         state = self.groups[g]
         if state.lease is not None:
             state.lease.release()
-        if isinstance(state.recorder, (StreamRecorder, SegmentRecorder)):
+        if isinstance(state.recorder, ChunkRecorder):
             state.recorder.close()
         state.recorder = state.lease = None
         n = self.failures.in_a_row[g]
