@@ -11,6 +11,10 @@ waits ``--slow`` times longer: it is that many times slower. The workload is syn
 * ``adaptive``: ``swimlane.rebalance=true`` with one spare group per rank: shares follow
   the measured speeds and rank 2 hands env groups to rank 1 (swimlane/balance.py).
 
+With ``--mode sync`` both run in sync mode, and ``adaptive`` is ``swimlane.reissue=true``:
+rank 1 samples the round's work again while it waits, so the learner's round need not wait
+for rank 2 (what arrives late is dropped and counted).
+
 Each repeat runs both, the order alternating. Printed per run and as medians: env steps per
 second consumed by the learner (its run's ``env_steps_per_s``), and the mean success rate of
 the last quarter of the updates (so that faster data does not come at the cost of learning).
@@ -34,24 +38,32 @@ from pathlib import Path
 def run(out: Path, adaptive: bool, args) -> dict[str, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m",
            "dvla.launch", "--preset", "fast_reach", "swimlane.colocate=false", "swimlane.env_groups=2",
+           f"swimlane.mode={args.mode}",
            "run.torch_threads=1", "run.progress=false", f"run.iterations={args.iterations}",
            f"env.options.render_wait_ms={args.wait_ms}",
            f"env.rank_options.2.render_wait_ms={args.wait_ms * args.slow}",
            f"swimlane.max_staleness={args.max_staleness}", f"run.out_dir={out}", "run.name=r",
-           *(["swimlane.rebalance=true", "swimlane.spare_groups=1", f"swimlane.balance_window_s={args.window_s}",
-               f"swimlane.straggler_factor={args.straggler_factor}"]
-             if adaptive else []), *args.set]
+           *(adaptive_overrides(args) if adaptive else []), *args.set]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=1200)
     s = json.loads((out / "r" / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "r" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tail = [r["success_rate"] for r in rows[-max(1, len(rows) // 4):] if r.get("success_rate") is not None]
     return {"sps": s["env_steps_per_s"], "success": sum(tail) / max(len(tail), 1),
-            "moves": len(s.get("balance", {}).get("moves", []))}
+            "moves": len(s.get("balance", {}).get("moves", [])), "dropped": s["totals"].get("dropped_stale", 0)}
+
+
+def adaptive_overrides(args) -> list[str]:
+    if args.mode == "sync":
+        return ["swimlane.reissue=true"]
+    return ["swimlane.rebalance=true", "swimlane.spare_groups=1", f"swimlane.balance_window_s={args.window_s}",
+            f"swimlane.straggler_factor={args.straggler_factor}"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("async", "sync"), default="async",
+                   help="async: rebalancing; sync: re-issuing a round's work")
     p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--wait-ms", type=float, default=25.0)
@@ -73,7 +85,7 @@ def main() -> None:
             ratios.append(res[True]["sps"] / res[False]["sps"])
             print(f"repeat {i}: static {res[False]['sps']:.0f} env steps/s (success {res[False]['success']:.2f}), "
                   f"adaptive {res[True]['sps']:.0f} (success {res[True]['success']:.2f}, {res[True]['moves']} "
-                  f"group moves): {ratios[-1]:.2f}x", flush=True)
+                  f"group moves, {res[True]['dropped']} stale chunks dropped): {ratios[-1]:.2f}x", flush=True)
 
     def med(mode, key):
         return statistics.median(r[key] for r in got[mode])

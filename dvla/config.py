@@ -323,6 +323,13 @@ class SwimlaneConfig:
     spare_groups: int = 0
     """With ``rebalance``: env groups each rollout rank builds beyond ``env_groups``, idle
     until a plan hands it one."""
+    reissue: bool = False
+    """Sync mode, several rollout ranks, threads: a rank that has sent its round's chunks and
+    has no new weights yet samples the round's work again (each env group once more, on the
+    round's weights), so that the learner's round does not wait for a straggler. The learner
+    takes the first chunks of its version from whoever sends them; chunks of an older version
+    (a straggler's, or a re-issued batch that finished after the update) are dropped and
+    counted (``dropped_stale``), and ``chunks_reissued`` counts the batches sampled again."""
     autotune: bool = False
     """Async mode: a resource manager adjusts the run while it runs, from stage profiles
     measured every ``autotune_window_s`` (useful env steps/s, lane busy shares, idle env
@@ -410,6 +417,8 @@ class SwimlaneConfig:
             errs.append(("spare_groups", f"must be >= 0, got {self.spare_groups}"))
         elif self.spare_groups and not self.rebalance:
             errs.append(("spare_groups", "only rebalancing starts spare groups: set swimlane.rebalance=true"))
+        if self.reissue and (self.mode != "sync" or self.driver != "threads" or self.independent_envs):
+            errs.append(("reissue", "needs swimlane.mode=sync, driver=threads and independent_envs=false"))
         if self.rebalance and (self.mode != "async" or self.driver != "threads" or self.autotune):
             errs.append(("rebalance", "needs swimlane.mode=async, driver=threads and autotune=false (autotune "
                                       "moves the env groups that step on its own)"))

@@ -18,6 +18,7 @@ COUNTERS: dict[str, str] = {
     # ended (waiting for the rest of their batch, or of their GRPO group).
     "env_steps_live": "sampling",
     "env_steps_idle": "sampling",
+    "chunks_reissued": "sampling",  # sync, swimlane.reissue: batches sampled again while waiting for weights
     "env_steps_sampled": "gradient",
     "chunks_consumed": "gradient",
     "dropped_stale": "gradient",

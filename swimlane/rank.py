@@ -249,7 +249,7 @@ class RankLanes:
                 rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
                 rollout_ranks=len(self.rollout_ranks), extras=self.policy.rollout_extras(),
                 cameras=cameras_of(self.policy), independent=self.sl.independent_envs, segment_len=self.sl.segment_len,
-                active=self.sl.env_groups, throttle_s=_THROTTLE_S,
+                active=self.sl.env_groups, reissue=self.sl.reissue, throttle_s=_THROTTLE_S,
                 poll_s=_POLL_S),
         )
 
@@ -292,7 +292,8 @@ class RankLanes:
         self._env_steps = self.ledger.carried_env_steps
         return LearnerLane(
             source=self.source, algo=self.algo, generator=self.learn_gen, ledger=self.ledger, tracer=self.tracer,
-            cfg=LearnerConfig(need=self._chunks_per_update(), max_staleness=self.sl.max_staleness,
+            cfg=LearnerConfig(need=self._chunks_per_update(),
+                              max_staleness=0 if self.sl.reissue else self.sl.max_staleness,  # on-policy rounds
                               iterations=self.iterations, stop_rollouts_before_last=self.sl.mode == "async",
                               spec=self.chunk_spec, independent=self.sl.independent_envs,
                               max_bad_updates=self.sl.max_bad_updates, poll_s=_POLL_S),

@@ -155,3 +155,29 @@ def test_rank_options_and_the_rebalancing_settings_are_checked():
         apply_overrides(debug(), ["swimlane.spare_groups=1"]).validate()
     with pytest.raises(ConfigError, match="straggler_factor"):
         apply_overrides(debug(), ["swimlane.straggler_factor=1"]).validate()
+    with pytest.raises(ConfigError, match="reissue"):
+        apply_overrides(debug(), ["swimlane.reissue=true"]).validate()  # async by default
+
+
+def test_a_sync_round_does_not_wait_for_a_straggler_whose_work_is_reissued(tmp_path):
+    """Sync mode, rank 2 rolling out slowly: rank 1 samples the round's work again while it
+    waits, the learner's rounds take the first chunks of their version (every update
+    on-policy), and what came too late is dropped and counted."""
+    import json
+
+    from dvla.metrics import read_metrics
+    from tests.ranks import torchrun_job
+
+    run = torchrun_job(tmp_path, "reissue", [
+        "swimlane.mode=sync", "swimlane.reissue=true", "swimlane.colocate=false", "swimlane.env_groups=2",
+        "env.rank_options.2.render_wait_ms=20", "run.iterations=20"], nproc=3)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["version"] == 20
+    assert summary["chunk_accounting"]["unaccounted"] == 0
+    assert not any(v for k, v in summary["totals"].items() if k.startswith("rejected_")), summary["totals"]
+    assert summary["totals"]["dropped_stale"] > 0  # late chunks: counted, not learned from
+    fast, slow = (json.loads((run / f"summary_rank{r}.json").read_text()) for r in (1, 2))
+    assert fast["totals"]["chunks_reissued"] > 0
+    assert fast["totals"]["chunks_sent"] > slow["totals"]["chunks_sent"]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert all(r.get("staleness_max", 0) == 0 for r in rows)  # every round learned from its own version

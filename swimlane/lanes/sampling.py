@@ -61,6 +61,7 @@ class SamplingConfig:
     independent: bool = False  # every env on its own clock (swimlane.independent_envs)
     segment_len: int = 0  # with independent: PPO segments of this many decisions (swimlane.segment_len)
     active: int | None = None  # async: env groups that step at the start (None: all; spare groups wait)
+    reissue: bool = False  # sync: while waiting for the next round's weights, sample the round's work again
     throttle_s: float = 2.0
     poll_s: float = 0.05
 
@@ -289,26 +290,42 @@ class SamplingLane:
         c = self.cfg
         self.admission = Admission(self.weights.latest_version, c.chunks_per_update, c.senders, c.max_staleness)
         self.round, self.current = self.weights.latest_version, None
+        self.backup: int | None = None  # sync with reissue: the group sampling the round's work again
+        self.backups = 0  # groups re-run since the round's own groups finished
 
     def poll(self, block: bool = False) -> bool:
         """Sync mode: the groups run one after the other, each round on the weights learned
         from the one before. Start the round's next group once the round's weights are
         published, or advance the active group by one reply. ``block``: wait for either
-        (until the lane stops). True if it did anything."""
-        if self.current is None:
+        (until the lane stops). True if it did anything.
+
+        With ``reissue`` (``swimlane.reissue``) a rank that has sent its round's chunks and
+        finds no new weights yet samples the round's work again, each group once more on the
+        round's weights: the learner takes the first chunks of its version from whoever
+        sends them, so its round does not wait for a straggler (what comes too late is
+        dropped and counted)."""
+        if self.current is None and self.backup is None:
             if self.weights.latest_version < self.round:
+                if self.cfg.reissue and self.backups < len(self.envs):
+                    self.backup, self.backups = self.backups, self.backups + 1
+                    self.ledger.add("chunks_reissued")
+                    self.start(self.backup)
+                    return True
                 if not block:
                     return False
                 with self.tracer.span("sampling", "wait"):  # barrier: the weights of this round
                     if not self.weights.wait_for(self.round, self.stop):
                         return False
-            self.current = 0
+            self.current, self.backups = 0, 0
             self.start(0)
             return True
         reply = self.next_reply() if block else self.replies.get(0.0)
         if reply is None:
             return False
         if self.on_reply(reply):
+            if self.backup is not None:  # a re-issued batch is sent
+                self.backup = None
+                return True
             self.current += 1
             if self.current == len(self.envs):
                 self.current, self.round = None, self.round + 1
