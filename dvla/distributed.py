@@ -145,12 +145,17 @@ def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGr
     flush()
 
 
-def mean_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
-    """Average every value of ``stats`` over the ranks of ``group`` (one all-reduce)."""
+def sum_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Add every value of ``stats`` up over the ranks of ``group`` (one all-reduce)."""
     t = torch.tensor(list(stats.values()), dtype=torch.float64)
     dist.all_reduce(t, group=group)
-    t /= dist.get_world_size(group)
     return dict(zip(stats, t.tolist()))
+
+
+def mean_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Average every value of ``stats`` over the ranks of ``group`` (one all-reduce)."""
+    n = dist.get_world_size(group)
+    return {k: v / n for k, v in sum_over_group(stats, group).items()}
 
 
 def _json_bytes(obj) -> torch.Tensor:

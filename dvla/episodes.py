@@ -99,11 +99,58 @@ class OpenChunk:
 
 
 class ChunkRecorder:
-    """What the recorders of envs on their own clock share: the chunks being filled, oldest
-    first, taken out once :attr:`ready`."""
+    """What the recorders of envs on their own clock share: the env's current (prepared)
+    observation, the chunks being filled, oldest first, taken out once :attr:`ready`, and the
+    final observations of truncated episodes whose bootstrap values are owed (:attr:`pending`,
+    asked for after the env's rows by :meth:`request_obs`)."""
 
+    spec: EnvSpec
+    b: int  # envs of the group
+    k: int  # action chunk
+    t_len: int  # decisions per chunk
+    prepare: Callable[[Observation], Observation]
+    lease: Callable[[], tuple[Alloc, Callable[[], None]]] | None
+    extras: dict[str, ExtraSpec]
+    cameras: dict[str, tuple[int, ...]]
     chunks: list[OpenChunk]
-    pending: list
+    pending: list[tuple[OpenChunk, int, int, Observation]]  # (chunk, column, row, final obs)
+    obs: Observation | None
+    ids: Tensor | None
+    mask: Tensor | None
+
+    def _observe(self, obs: Observation) -> None:
+        if obs.instruction_mask is None:
+            raise ValueError(f"{type(self).__name__} needs prepared observations (instruction ids and mask)")
+        self.obs, self.ids, self.mask = obs, obs.instruction_ids, obs.instruction_mask
+
+    def _observe_next(self, obs: Observation, restarted: bool) -> None:
+        """The env's next observation ``obs`` (raw): instructions tokenised again when some
+        env ``restarted``, else kept."""
+        keep = not restarted
+        self._observe(self.prepare(dataclasses.replace(obs, instruction_ids=self.ids if keep else None,
+                                                       instruction_mask=self.mask if keep else None)))
+
+    def _new_chunk(self) -> OpenChunk:
+        """A chunk's tensors, zeroed, from a fresh lease (plain tensors without one)."""
+        alloc, release = self.lease() if self.lease is not None else (None, None)
+        alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
+        fields = rollout_fields(self.spec, self.k, self.t_len, self.b, self.ids.shape[1], self.extras, self.cameras)
+        chunk = OpenChunk({name: alloc(shape, dtype).zero_() for name, (shape, dtype) in fields.items()}, release)
+        self.chunks.append(chunk)
+        return chunk
+
+    def _owe_bootstrap(self, res: StepResult, i: int, chunk: OpenChunk, col: int, row: int) -> None:
+        """Env ``i``'s episode was truncated at ``row`` of ``chunk``'s column ``col``: ask for
+        the value of its last observation (the step's, or the one before its restart)."""
+        restarted_now = res.reset is not None and bool(res.reset[i])  # then res.obs is the new episode's
+        final = dataclasses.replace(observation_rows(res.final_obs if restarted_now else res.obs, torch.tensor([i])),
+                                    instruction_ids=self.ids[i:i + 1], instruction_mask=self.mask[i:i + 1])
+        self.pending.append((chunk, col, row, self.prepare(final)))
+
+    def request_obs(self) -> Observation:
+        """What to act on: the env's observation, then the final observations of truncated
+        episodes whose bootstrap values are still to come."""
+        return cat_observations([self.obs] + [p[3] for p in self.pending])
 
     @property
     def ready(self) -> bool:
@@ -165,18 +212,6 @@ class StreamRecorder(ChunkRecorder):
         self._observe(obs)
         self._start(torch.arange(self.b))
 
-    def _observe(self, obs: Observation) -> None:
-        if obs.instruction_mask is None:
-            raise ValueError("StreamRecorder needs prepared observations (instruction ids and mask)")
-        self.obs, self.ids, self.mask = obs, obs.instruction_ids, obs.instruction_mask
-
-    def _new_chunk(self) -> OpenChunk:
-        alloc, release = self.lease() if self.lease is not None else (None, None)
-        alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
-        fields = rollout_fields(self.spec, self.k, self.t_len, self.b, self.ids.shape[1], self.extras, self.cameras)
-        chunk = OpenChunk({name: alloc(shape, dtype).zero_() for name, (shape, dtype) in fields.items()}, release)
-        self.chunks.append(chunk)
-        return chunk
 
     def _start(self, envs: Tensor) -> None:
         """New episodes in ``envs`` (whole blocks of ``group_size``): a column each."""
@@ -195,11 +230,6 @@ class StreamRecorder(ChunkRecorder):
         self.live[envs] = True
 
     # -- one step --------------------------------------------------------------------------
-    def request_obs(self) -> Observation:
-        """What to act on: the env's observation, then the final observations of truncated
-        episodes whose bootstrap values are still to come."""
-        return cat_observations([self.obs] + [p[3] for p in self.pending])
-
     def record(self, out: ActOutput, res: StepResult, version: int) -> tuple[int, int]:
         """Store the decision taken on :meth:`request_obs` and its outcome (``out``'s rows past
         ``n_envs`` are the bootstrap values asked for); returns ``(live, idle)``: the envs
@@ -219,11 +249,7 @@ class StreamRecorder(ChunkRecorder):
             chunk.t["episode_sums"][c] = torch.tensor([1.0, float(res.success[i]), float(chunk.t["rewards"][:, c].sum()),
                                                        float(self.pos[i])])
             if self.has_value and truncated[i]:
-                restarted_now = res.reset is not None and bool(res.reset[i])  # then res.obs is the new episode's
-                final = dataclasses.replace(observation_rows(res.final_obs if restarted_now else res.obs,
-                                                             torch.tensor([i])),
-                                            instruction_ids=self.ids[i:i + 1], instruction_mask=self.mask[i:i + 1])
-                self.pending.append((chunk, c, int(self.pos[i]), self.prepare(final)))
+                self._owe_bootstrap(res, i, chunk, c, int(self.pos[i]))
             else:
                 chunk.ended += 1
         self.live &= ~ended
@@ -235,11 +261,9 @@ class StreamRecorder(ChunkRecorder):
     def restart(self, obs: Observation, restarted: Tensor) -> None:
         """The env's observation ``obs`` (raw), in which the envs ``restarted`` started anew."""
         restarted = restarted.cpu()
+        self._observe_next(obs, bool(restarted.any()))
         if bool(restarted.any()):
-            self._observe(self.prepare(dataclasses.replace(obs, instruction_ids=None, instruction_mask=None)))
             self._start(restarted.nonzero().squeeze(1))
-        else:
-            self._observe(self.prepare(dataclasses.replace(obs, instruction_ids=self.ids, instruction_mask=self.mask)))
 
     def _write(self, out: ActOutput, res: StepResult, version: int, live: Tensor) -> None:
         """The step's row of every live env's column."""

@@ -23,16 +23,15 @@ recorded (counted idle).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
 from torch import Tensor
 
 from dvla.envs.base import EnvSpec
-from dvla.episodes import Alloc, ChunkRecorder, OpenChunk, rollout_fields, step_row
+from dvla.episodes import Alloc, ChunkRecorder, OpenChunk, step_row
 from dvla.policy import ActOutput, ExtraSpec
-from dvla.types import Observation, StepResult, cat_observations, observation_rows
+from dvla.types import Observation, StepResult
 
 
 class SegmentRecorder(ChunkRecorder):
@@ -56,7 +55,6 @@ class SegmentRecorder(ChunkRecorder):
         self.chunks: list[OpenChunk] = []  # the full chunk still owed values (if any), then the one filling
         self.t = 0  # decisions recorded in the newest chunk
         self.columns = 0  # columns opened so far
-        self.live = torch.ones(n_envs, dtype=torch.bool)  # every env steps (restarts are never held)
         self.gap = torch.zeros(n_envs, dtype=torch.bool)  # out of its column until the next chunk
         self.tails: tuple[OpenChunk, Tensor] | None = None  # (full chunk, envs cut inside an episode)
         self.pending: list[tuple[OpenChunk, int, int, Observation]] = []  # (chunk, column, step, final obs)
@@ -68,11 +66,6 @@ class SegmentRecorder(ChunkRecorder):
     def begin(self, obs: Observation) -> None:
         """``obs``: the env's prepared reset observation."""
         self._observe(obs)
-
-    def _observe(self, obs: Observation) -> None:
-        if obs.instruction_mask is None:
-            raise ValueError("SegmentRecorder needs prepared observations (instruction ids and mask)")
-        self.obs, self.ids, self.mask = obs, obs.instruction_ids, obs.instruction_mask
 
     # -- chunks ----------------------------------------------------------------------------
     @property
@@ -88,24 +81,15 @@ class SegmentRecorder(ChunkRecorder):
         return self.tails is not None or bool(self.pending)
 
     def _open(self) -> OpenChunk:
-        alloc, release = self.lease() if self.lease is not None else (None, None)
-        alloc = alloc or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
-        fields = rollout_fields(self.spec, self.k, self.t_len, self.b, self.ids.shape[1], self.extras, self.cameras)
-        chunk = OpenChunk({name: alloc(shape, dtype).zero_() for name, (shape, dtype) in fields.items()}, release)
+        chunk = self._new_chunk()
         chunk.t["instruction_ids"].copy_(self.ids.to(torch.int64).cpu())
         chunk.t["instruction_mask"].copy_(self.mask.cpu())
         chunk.t["group_ids"].copy_(torch.tensor([self.group_id(self.columns + i) for i in range(self.b)]))
         self.columns += self.b
-        self.chunks.append(chunk)
         self.t, self.gap = 0, torch.zeros(self.b, dtype=torch.bool)
         return chunk
 
     # -- one step --------------------------------------------------------------------------
-    def request_obs(self) -> Observation:
-        """What to act on: the env's observation, then the final observations of truncated
-        episodes whose bootstrap values are still to come."""
-        return cat_observations([self.obs] + [p[3] for p in self.pending])
-
     def fill(self, values: Tensor) -> None:
         """The values of every row of :meth:`request_obs`: the first ``n_envs`` complete the
         columns of a full chunk cut inside an episode, the rest bootstrap truncations."""
@@ -149,11 +133,7 @@ class SegmentRecorder(ChunkRecorder):
             chunk.t["episode_sums"][i] += torch.tensor([1.0, float(success), float(self.ep_return[i]),
                                                         float(self.ep_len[i])])
             if truncated[i] and not terminated[i] and rec[i]:
-                restarted_now = res.reset is not None and bool(res.reset[i])  # then res.obs is the new episode's
-                final = dataclasses.replace(observation_rows(res.final_obs if restarted_now else res.obs,
-                                                             torch.tensor([i])),
-                                            instruction_ids=self.ids[i:i + 1], instruction_mask=self.mask[i:i + 1])
-                self.pending.append((chunk, i, t, self.prepare(final)))
+                self._owe_bootstrap(res, i, chunk, i, t)
                 chunk.owed += 1
         self.ep_return[ended], self.ep_len[ended] = 0.0, 0
         restarted = (res.reset.cpu() if res.reset is not None else torch.zeros(b, dtype=torch.bool)) & ended
@@ -168,9 +148,7 @@ class SegmentRecorder(ChunkRecorder):
 
     def restart(self, obs: Observation, restarted: Tensor) -> None:
         """The env's observation ``obs`` (raw), in which the envs ``restarted`` started anew."""
-        keep = not bool(restarted.any())
-        self._observe(self.prepare(dataclasses.replace(obs, instruction_ids=self.ids if keep else None,
-                                                       instruction_mask=self.mask if keep else None)))
+        self._observe_next(obs, bool(restarted.any()))
 
     # -- chunks out ----------------------------------------------------------------------
     @property

@@ -179,8 +179,9 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
     rollout, learner = rank in placement.rollout, rank in placement.learners
     torch.manual_seed(seed)
     envs = []
+    env_cfg = cfg.env.for_rank(rank)
     if rollout:
-        envs = [make_env(cfg.env.for_rank(rank), device, seed=seed + 7919 * rank)]
+        envs = [make_env(env_cfg, device, seed=seed + 7919 * rank)]
         spec_ = envs[0].spec
     else:  # a learner-only rank needs the spec, not a simulator (where the env can tell)
         spec_ = env_spec(cfg.env, device, seed=seed + 7919 * rank)
@@ -188,7 +189,8 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
     policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
     check_policy_io(policy, cfg.policy.name)
     if rollout:
-        envs += [make_env(cfg.env.for_rank(rank), device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, sl.env_groups + sl.spare_groups)]
+        envs += [make_env(env_cfg, device, seed=seed + 7919 * rank + 15485863 * g)
+                 for g in range(1, sl.env_groups + sl.spare_groups)]
     algo = learn_gen = None
     if learner:
         sync = partial(allreduce_mean_grads, group=groups.learner) if sl.learner_ranks > 1 else None
@@ -242,19 +244,18 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc, r
     (``rollout`` false) holds no replicas: the source only its snapshot, any other rank
     nothing (it relays each version bucket by bucket: :meth:`WeightBroadcaster.relay_buckets`).
     ``header_words``: what travels with each version number (the rebalancing plan)."""
-    frozen = frozen_names(policy)
+    bcast = partial(WeightBroadcaster, src=0, group=control_group, stages=stages, frozen=frozen_names(policy),
+                    header_words=header_words)
 
     def copy_of(model):
         return copy.deepcopy(model).requires_grad_(False).to(dtype)
 
     if world > 1 and rank != 0 and not rollout:  # a relay: the layout only, on the meta device
-        bc = WeightBroadcaster(layout_copy(policy, dtype), src=0, group=control_group, stages=stages, alloc=meta_alloc,
-                               frozen=frozen, device=next(policy.parameters()).device, header_words=header_words)
+        bc = bcast(layout_copy(policy, dtype), alloc=meta_alloc, device=next(policy.parameters()).device)
         return WeightBuffers(None, None, None, bc)
     if world > 1 and rank == 0 and not rollout:
         snapshot = copy_of(policy)
-        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen,
-                               header_words=header_words)
+        bc = bcast(snapshot, alloc=alloc)
         return WeightBuffers(None, snapshot, [b.flat for b in bc.buckets], bc)
     replicas = [copy_of(policy) for _ in range(2)]
     if world == 1:
@@ -264,12 +265,10 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc, r
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, snap_flats, None)
     if rank == 0:
         snapshot = copy_of(policy)
-        bc = WeightBroadcaster(snapshot, src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen,
-                               header_words=header_words)
+        bc = bcast(snapshot, alloc=alloc)
         flats = [bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, [b.flat for b in bc.buckets], bc)
-    bc = WeightBroadcaster(replicas[0], src=0, group=control_group, stages=stages, alloc=alloc, frozen=frozen,
-                               header_words=header_words)
+    bc = bcast(replicas[0], alloc=alloc)
     flats = [[b.flat for b in bc.buckets], bc.bind_replica(replicas[1], tag="replica1")]
     return WeightBuffers(DoubleBufferedWeights(replicas, flats), None, None, bc)
 
@@ -343,8 +342,8 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, 
               tracer, turns) -> Tuner | None:
     """The resource manager of an async rank (``swimlane.autotune``), or None. Its knobs:
     the env groups that step (``lane.active``), how long a forward pass waits for more
-    groups' requests (``inference.wait_s``, in ms), whether the lanes take turns (``turns``, the rank's :class:`swimlane.lanes.turns.Turns`:
-    ``swimlane.take_turns``), the gradient lane's niceness, torch's intra-op threads and
+    groups' requests (``inference.wait_s``, in ms), whether the lanes take turns (``turns``,
+    the rank's :class:`swimlane.lanes.turns.Turns`: ``swimlane.take_turns``), the gradient lane's niceness, torch's intra-op threads and
     whether the gradient lane's thread and the rollout lanes' threads run on separate halves
     of the rank's CPUs (``split_cpus``), and on a GPU with ``swimlane.cuda_streams``
     whether the inference stream runs at the highest priority (``inference_priority``).

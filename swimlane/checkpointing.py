@@ -93,6 +93,23 @@ class RunCheckpoints:
         return self.restore(ck.tensors, ck.manifest, ck.path)
 
 
+def resume_learner(checkpoints: RunCheckpoints, *, resume: bool, restarts: int, rank: int, learner_ranks: int,
+                   agree_on=None) -> Resumed | None:
+    """The learner's starting state: the newest checkpoint when resuming (None: start
+    fresh). With several learners ``agree_on(got, error)`` makes them agree on rank 0's
+    (:func:`swimlane.agreement.agree`); a learner other than rank 0 may not see the
+    checkpoints, and rank 0 sends them."""
+    got, error = None, None
+    try:
+        if resume:
+            got = checkpoints.resume(restarts, required=rank == 0)
+    except ConfigError as exc:
+        if learner_ranks == 1:
+            raise
+        error = str(exc)
+    return agree_on(got, error) if learner_ranks > 1 else got
+
+
 def truncate_metrics(path: Path, version: int) -> None:
     """Drop the rows a crashed attempt logged after the checkpoint it resumes from."""
     if not path.exists():

@@ -24,6 +24,7 @@ import torch
 from dvla.types import NESTED, RolloutBatch
 from planes.data import TrajectoryReceiver, TrajectorySender
 from swimlane.channels import Chunk, LocalChannel
+from swimlane.ledger import chunk_accounting
 
 CHUNK_KIND = "chunk"
 END_KIND = "end"
@@ -132,6 +133,18 @@ class RemoteChunkSource:
 
     def depth(self) -> int:
         return self.receiver.depth()
+
+    def accounting(self, counters: dict[str, int], expected: list[str]) -> dict[str, int]:
+        """Where every chunk sent to this learner went (:func:`swimlane.ledger.chunk_accounting`),
+        ``expected``: the senders routed here."""
+        return chunk_accounting(counters, local=False, invalid=self.invalid, ended=self.ended,
+                                reported=self.receiver.reported_sent, received=self.received,
+                                dead=self.receiver.dead_peers, expected=expected)
+
+    def senders_gone(self, expected: list[str]) -> bool:
+        """Every sender in ``expected`` said it ended, or its heartbeats stopped."""
+        gone = set(self.ended) | set(self.receiver.dead_peers)
+        return all(s in gone for s in expected)
 
     def close(self) -> None:
         self.receiver.close()

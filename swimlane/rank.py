@@ -8,18 +8,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import statistics
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
 from dvla.checkpoint import CheckpointManager
-from dvla.config import ConfigError, JobConfig
-from dvla.distributed import mean_over_group, resolve_device
+from dvla.config import JobConfig
+from dvla.distributed import resolve_device, sum_over_group
 from dvla.metrics import MetricsLogger
 from dvla.rollout import cameras_of, episode_means, episode_totals
 from dvla.sharding import learner_bytes
@@ -27,7 +25,7 @@ from dvla.types import RolloutBatch
 from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
 from swimlane.agreement import agree
-from swimlane.balance import Plan, Rebalancer, Throughput, stragglers
+from swimlane.imbalance import RankBalance
 from swimlane.build import (
     tuner_for,
     build_data_plane,
@@ -43,7 +41,7 @@ from swimlane.build import (
     publish_dtype,
 )
 from swimlane.channels import LocalChannel
-from swimlane.checkpointing import RunCheckpoints, truncate_metrics
+from swimlane.checkpointing import RunCheckpoints, resume_learner, truncate_metrics
 from swimlane.driver import lower_thread_priority
 from swimlane.health import StallTimer, check_senders, check_stall
 from swimlane.lanes import (
@@ -153,16 +151,9 @@ class RankLanes:
         self._replies: LocalChannel[Reply] = LocalChannel()  # inference -> sampling
         self.slot = SnapshotSlot()  # learner lane -> publish lane (rank 0)
         self.history: list[dict[str, Any]] = []
-        # Imbalance between rollout ranks (swimlane/balance.py): measured by every learner,
-        # planned by rank 0 when rebalancing, the plan sent with each version.
-        self.throughput = Throughput(sl.balance_window_s) if self.is_learner else None
-        self.stragglers: list[int] = []
-        self.named_stragglers: set[int] = set()  # every rank named a straggler so far
-        self.rebalancer = None
-        if sl.rebalance and rank == 0 and world_size > 1:
-            self.rebalancer = Rebalancer({r: pl.routes[r] for r in pl.rollout}, sl.env_groups + sl.spare_groups,
-                                         sl.env_groups, sl.straggler_factor, sl.balance_window_s)
-        self.plan_words = Plan().encode(world_size) if sl.rebalance else None  # no plan until measured
+        # Imbalance between rollout ranks: measured by every learner, planned by rank 0 when
+        # rebalancing, the plan sent with each version (swimlane/imbalance.py).
+        self.balance = RankBalance(sl, rank, world_size, pl, self.groups.learner)
         self._start_time = time.perf_counter()
         self._start_unix = time.time()
 
@@ -187,17 +178,10 @@ class RankLanes:
     def _start_learner(self, resume: bool) -> None:
         """Load the newest checkpoint (when resuming); with several learners, make them
         agree on one starting state, rank 0's (:mod:`swimlane.agreement`)."""
-        got, error = None, None
-        try:
-            if resume:  # a learner other than rank 0 may not see the checkpoints: rank 0 sends them
-                got = self.checkpoints.resume(self.restarts, required=self.rank == 0)
-        except ConfigError as exc:
-            if self.sl.learner_ranks == 1:
-                raise
-            error = str(exc)
-        if self.sl.learner_ranks > 1:
-            got = agree(self.checkpoints, got, group=self.groups.learner, learners=self.placement.learners,
-                        rank=self.rank, device=self.device, error=error)
+        got = resume_learner(self.checkpoints, resume=resume, restarts=self.restarts, rank=self.rank,
+                             learner_ranks=self.sl.learner_ranks, agree_on=lambda got, error: agree(
+                                 self.checkpoints, got, group=self.groups.learner, learners=self.placement.learners,
+                                 rank=self.rank, device=self.device, error=error))
         if got is None:
             return
         self.version = self.resumed_from = got.version
@@ -301,7 +285,7 @@ class RankLanes:
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
             stop_rollouts=self.rollout_stop.set, activations=self._activations,
             turn=self.turns, before_update=lambda: self.order.before_update(self.version, self.stop_event),
-            throughput=self.throughput)
+            throughput=self.balance.throughput)
 
     def _retry_handoff(self) -> None:
         if self.slot.pending and self.slot.free:
@@ -312,7 +296,7 @@ class RankLanes:
         True after the last update (or when the time is up)."""
         self.version += 1
         stats, steps_global = self._global_stats(update.batch, update.env_steps)
-        stats.update(self._balance())
+        stats.update(self.balance.after_update(self.version, self._offer_plan if self.is_rollout else None))
         self._env_steps = steps_global
         wall = time.perf_counter() - self._start_time
         totals = self.total_counters()
@@ -344,16 +328,10 @@ class RankLanes:
         return last
 
     def _check_health(self, stall: StallTimer) -> None:
-        self._check_senders()
-        self._check_stall(stall)
-
-    def _check_senders(self) -> None:
         if self.world_size > 1:
             src = self.source
             check_senders(self.expected_senders, src.ended, src.receiver.dead_peers,
                           self.cfg.data_plane.peer_timeout_s, self.chunk_accounting)
-
-    def _check_stall(self, stall: StallTimer) -> None:
         check_stall(stall, self.counters, self.version)
 
     def _activations(self):
@@ -371,68 +349,15 @@ class RankLanes:
         time_up = float(bool(limit) and time.perf_counter() - self._start_time >= limit)
         stats = {**episode_totals(batch), "env_steps": float(steps_total), "time_up": time_up}
         if self.sl.learner_ranks > 1:  # learners agree on when the time is up
-            stats = {k: v * self.sl.learner_ranks for k, v in mean_over_group(stats, self.groups.learner).items()}
+            stats = sum_over_group(stats, self.groups.learner)
         self.time_up = stats.pop("time_up") > 0
         steps = self.ledger.carried_env_steps + round(stats.pop("env_steps"))
         return episode_means(stats), steps
 
-    def _balance(self) -> dict[str, float]:
-        """Each rollout rank's speed (env steps per second of sampling per env group, over the
-        learners' windows), the stragglers named, and on rank 0 with rebalancing the plan the
-        next published version carries (:mod:`swimlane.balance`)."""
-        t = torch.zeros(self.world_size, 4, dtype=torch.float64)  # steps, sample_s, chunks, dropped
-        for r, d in self.throughput.by_rank().items():
-            if 0 <= r < self.world_size:
-                t[r] = torch.tensor([d.steps, d.sample_s, d.chunks, d.dropped], dtype=torch.float64)
-        if self.sl.learner_ranks > 1:
-            dist.all_reduce(t, group=self.groups.learner)
-        speed = {r: float(t[r, 0] / t[r, 1]) for r in self.rollout_ranks if t[r, 1] > 0}
-        slow = stragglers(speed, self.sl.straggler_factor)
-        if slow != self.stragglers and self.rank == 0:  # a warning the first time a rank is named
-            first = set(slow) - self.named_stragglers
-            (log.warning if first else log.info)(
-                "straggler rollout rank(s) %s: %s env steps/s per env group, the median rank %.0f "
-                "(swimlane.straggler_factor=%g)", slow or "none", ", ".join(f"{speed[r]:.0f}" for r in slow) or "-",
-                statistics.median(speed.values()) if speed else 0.0, self.sl.straggler_factor)
-            self.named_stragglers |= first
-        self.stragglers = slow
-        m = {"stragglers": float(len(slow)), **{f"speed/rank{r}": v for r, v in speed.items()},
-             **{f"dropped_share/rank{r}": float(t[r, 3] / t[r, 2]) for r in self.rollout_ranks if t[r, 2] > 0}}
-        if self.rebalancer is not None:
-            moves = len(self.rebalancer.moves)
-            plan = self.rebalancer.update(speed, self.version)
-            for move in self.rebalancer.moves[moves:]:
-                log.warning("rebalancing at version %d: an env group moves from rank %d to rank %d (%s)",
-                            move.version, move.src, move.dst, move.reason)
-            self.plan_words = plan.encode(self.world_size)
-            if self.is_rollout:
-                self._apply_plan(self.plan_words)
-            m.update({"rebalance_moves": float(len(self.rebalancer.moves)),
-                      **{f"groups/rank{r}": float(a) for r, a in plan.active.items()},
-                      **{f"share/rank{r}": v for r, v in plan.shares.items()}})
-        return m
-
-    def _apply_plan(self, words: list[int]) -> None:
-        """A rebalancing plan (from the version header): this rank's share and env groups."""
-        try:
-            plan = Plan.decode(words)
-        except ValueError as exc:
-            log.error("ignored a rebalancing plan: %s", exc)
-            return
-        share, active = plan.shares.get(self.rank), plan.active.get(self.rank)
-        if self._sampling is not None and (share is not None or active is not None):
+    def _offer_plan(self, share: float | None, active: int | None) -> None:
+        """This rank's part of a rebalancing plan, for its sampling lane."""
+        if self._sampling is not None:
             self._sampling.offer_plan(share, active)
-
-    def balance_summary(self) -> dict[str, Any]:
-        """What the learner saw of each rollout rank and env group in its last window."""
-        out: dict[str, Any] = {
-            "window_s": self.sl.balance_window_s, "stragglers": self.stragglers,
-            "by_rank": {str(r): vars(d) for r, d in sorted(self.throughput.by_rank().items())},
-            "by_group": {f"{r}/{g}": vars(d) for (r, g), d in sorted(self.throughput.by_group().items())}}
-        if self.rebalancer is not None:
-            out["moves"] = [vars(m) for m in self.rebalancer.moves]
-            out["plan"] = {"shares": self.rebalancer.plan.shares, "active": self.rebalancer.plan.active}
-        return out
 
     def _handoff(self, wait: bool) -> None:
         """Give the publish lane a snapshot of the current weights (one copy), unless it is
@@ -457,7 +382,7 @@ class RankLanes:
     def _publish(self, version: int) -> None:
         with self.tracer.span("broadcast", "publish"):
             if self.bc is not None:
-                self.bc.publish(version, self.plan_words if self.sl.rebalance else None)
+                self.bc.publish(version, self.balance.plan_words)
             if self.is_rollout:
                 self.weights.write(version, self.snap_flats)
         self.order.broadcast_done(version)
@@ -481,7 +406,8 @@ class RankLanes:
         """Other ranks: receive every published version into the standby replica."""
         ReceiveLane(broadcaster=self.bc, weights=self.weights, tracer=self.tracer, shutdown_marker=SHUTDOWN,
                     order=self.order if self.order.enabled else None, stop=self.stop_event,
-                    on_header=self._apply_plan if self.sl.rebalance and self.is_rollout else None).run()
+                    on_header=(lambda words: self.balance.apply(words, self._offer_plan))
+                    if self.sl.rebalance and self.is_rollout else None).run()
         self.rollout_stop.set()
 
     # -- run -------------------------------------------------------------------------------
@@ -490,12 +416,7 @@ class RankLanes:
         """Where every chunk sent to this learner went (:func:`swimlane.ledger.chunk_accounting`)."""
         if self.world_size == 1:
             return chunk_accounting(self.counters, local=True)
-        src = self.source
-        return chunk_accounting(self.counters, local=False, invalid=src.invalid, ended=src.ended,
-                                reported=src.receiver.reported_sent, received=src.received,
-                                dead=src.receiver.dead_peers, expected=self.expected_senders)
+        return self.source.accounting(self.counters, self.expected_senders)
 
     def expected_senders_ended(self) -> bool:
-        src = self.source
-        gone = set(src.ended) | set(src.receiver.dead_peers)
-        return all(s in gone for s in self.expected_senders)
+        return self.source.senders_gone(self.expected_senders)

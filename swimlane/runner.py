@@ -227,7 +227,7 @@ class Swimlane(RankLanes):
             summary["collective_sequence"] = [f"{op} {v}" for op, v in self.order.sequence]
         if self.is_learner:
             summary["chunk_accounting"] = self.chunk_accounting()
-            summary["balance"] = self.balance_summary()
+            summary["balance"] = self.balance.summary()
             if self.world_size > 1:
                 c = self.source.receiver.counters
                 rc = self.source.receiver.cfg
