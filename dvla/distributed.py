@@ -106,17 +106,35 @@ GRAD_BUCKET_BYTES = 32 << 20
 
 
 def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGroup | None = None,
-                         bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
+                         bucket_bytes: int = GRAD_BUCKET_BYTES, masked: bool = False, contributes: bool = True) -> int:
     """Average gradients over ``group`` (default: the default process group), bucket by
     bucket: consecutive gradients of one dtype and device up to ``bucket_bytes`` are packed
     into one buffer for one all-reduce, and a gradient as large as a bucket is reduced in
     place, so that no copy of all gradients at once is ever made (at most one bucket's
     worth). A parameter without a gradient counts as zero, so every rank sends the same
-    layout even when some parameters were unused on it."""
+    layout even when some parameters were unused on it.
+
+    ``masked`` (learners that switch roles, ``swimlane.roles=adaptive``): the average is over
+    the members that ``contributes`` (had samples this step), not over the whole group. A
+    member that does not contribute sends zeros, and one more all-reduce adds up how many
+    did, so the result is exactly the mean of the contributors' gradients whatever the group
+    size. Every member then holds the same gradient and takes the same optimizer step.
+    Returns the number of members averaged over (0: nobody contributed, the gradients are
+    zero and the step should be skipped)."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     world = dist.get_world_size(group)
+    if masked:
+        device = params[0].grad.device if params else torch.device("cpu")
+        count = torch.tensor([1.0 if contributes else 0.0], dtype=torch.float64, device=device)
+        dist.all_reduce(count, group=group)
+        world = round(float(count))
+        if not contributes:
+            for p in params:
+                p.grad.zero_()
+        if world == 0:
+            return 0
     bucket: list[torch.Tensor] = []
     size = 0
 
@@ -143,6 +161,7 @@ def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGr
         bucket.append(g)
         size += nbytes
     flush()
+    return world
 
 
 def sum_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:

@@ -54,7 +54,10 @@ def extras_of(mb: dict[str, Tensor]) -> dict[str, Tensor]:
     n = len(EXTRAS_PREFIX)
     return {k[n:]: v for k, v in mb.items() if k.startswith(EXTRAS_PREFIX)}
 
-GradSync = Callable[[list[torch.nn.Parameter]], None]
+GradSync = Callable[..., int]
+"""``sync(params, contributes=...)``: average the gradients over the learners (in place);
+returns how many were averaged over (0: skip the step). ``contributes`` is false where this
+learner has no samples in the step (:func:`dvla.distributed.allreduce_mean_grads`)."""
 
 
 def param_groups(policy: VLAPolicy) -> list[dict]:
@@ -201,6 +204,7 @@ class Algorithm(ABC):
             stale = lag != 0
         n_all, stale_all = self._agree(n, int(stale.sum()) if stale is not None else 0)
         if n_all == 0:
+            self.follow()
             return {"samples": 0.0}
         if self.shard_group is not None:  # every rank makes the passes of the largest share
             first = torch.zeros(1, dtype=torch.long, device=device)
@@ -257,18 +261,30 @@ class Algorithm(ABC):
         out.update(extra)
         return out
 
+    def follow(self) -> None:
+        """An update without samples, on a learner of several: take part in each of its
+        optimizer steps (``update_epochs`` x ``minibatches``) with no gradient of its own, and
+        apply the others' averaged gradient, so its weights and optimizer state stay those of
+        the learners that had samples (a learner that switches roles, ``swimlane.roles``)."""
+        if self.grad_sync is None:
+            return
+        for _ in range(self.cfg.update_epochs * self.cfg.minibatches):
+            self._empty_step()
+
     def _empty_step(self) -> None:
         """A minibatch with no samples (fewer valid steps than minibatches): contribute
-        zero gradients to the learner ranks' all-reduce and apply the averaged gradient
-        like every other rank, so the replicas stay identical."""
+        zero gradients to the learner ranks' all-reduce (left out of the average where it is
+        masked) and apply the averaged gradient like every other rank, so the replicas stay
+        identical."""
         if self.grad_sync is None and self.shard_group is None:
             return
         self.optimizer.zero_grad(set_to_none=True)
         self._totals = None
         if self.shard_group is not None:
             self._pad(self._passes)
-        if self.grad_sync is not None:
-            self.grad_sync(self.params)
+        if self.grad_sync is not None and not self.grad_sync(self.params, contributes=False):
+            self.optimizer.zero_grad(set_to_none=True)  # nobody had samples: no step
+            return
         if bool(torch.isfinite(self._clip())):
             self.optimizer.step()  # skipped with the other ranks when their averaged gradient is not finite
         else:
@@ -364,7 +380,7 @@ class Algorithm(ABC):
     def _apply_gradients(self, sums: dict[str, float]) -> dict[str, float]:
         """Average the accumulated gradients over the learners, clip, step."""
         if self.grad_sync is not None:
-            self.grad_sync(self.params)
+            self.grad_sync(self.params, contributes=True)  # this learner has samples: never 0
         grad_norm = self._clip()
         # A NaN or inf loss or gradient must not reach the weights: skip the step. After the
         # all-reduce every learner sees the same norm, so all of them skip it together.
