@@ -175,7 +175,8 @@ class AlgoConfig:
     """``fsdp``: the learner ranks (``swimlane.learner_ranks`` > 1) are FSDP2-sharded: each
     holds 1/N of the weights, gradients and optimizer state, and the weights published to
     the rollouts are gathered one tensor at a time. ``none``: every learner holds the whole
-    model and gradients are all-reduced. ``auto``: ``fsdp`` with several learner ranks."""
+    model and gradients are all-reduced. ``auto``: ``fsdp`` with several learner ranks
+    (``none`` with ``swimlane.roles=adaptive``)."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -330,6 +331,23 @@ class SwimlaneConfig:
     takes the first chunks of its version from whoever sends them; chunks of an older version
     (a straggler's, or a re-issued batch that finished after the update) are dropped and
     counted (``dropped_stale``), and ``chunks_reissued`` counts the batches sampled again."""
+    roles: Literal["fixed", "adaptive"] = "fixed"
+    """``adaptive``: ranks move between rollout and learning while the run runs (async
+    mode, threads, ``learner_ranks`` >= 2, colocated, unsharded; :mod:`swimlane.roles`).
+    Rank 0 always learns; the other learner ranks start sampling. When rank 0's learner
+    waits for chunks less than ``role_low`` of its time (learning is the bottleneck), the
+    next one stops sampling and joins the learners; above ``role_high`` (the rollouts are),
+    the last to join goes back. At most one switch per ``balance_window_s``, at a published
+    version (the plan rides with the weights). Every learner rank takes part in every
+    update; gradients are averaged over those with samples, so the weights are those of a
+    fixed-role run and a switch moves no state. Each learner consumes ``chunks_per_update``
+    chunks per version. ``fixed``: roles as placed at the start."""
+    role_low: float = 0.1
+    """Adaptive roles: below this share of its time waiting for chunks, rank 0's learner
+    takes on another learner."""
+    role_high: float = 0.5
+    """Adaptive roles: above this share of its time waiting for chunks, rank 0's learner
+    sends the last learner that joined back to sampling."""
     autotune: bool = False
     """Async mode: a resource manager adjusts the run while it runs, from stage profiles
     measured every ``autotune_window_s`` (useful env steps/s, lane busy shares, idle env
@@ -422,6 +440,12 @@ class SwimlaneConfig:
         if self.rebalance and (self.mode != "async" or self.driver != "threads" or self.autotune):
             errs.append(("rebalance", "needs swimlane.mode=async, driver=threads and autotune=false (autotune "
                                       "moves the env groups that step on its own)"))
+        if self.roles == "adaptive" and (self.mode != "async" or self.driver != "threads" or self.autotune
+                                         or self.learner_ranks < 2 or not self.colocate):
+            errs.append(("roles", "adaptive needs swimlane.mode=async, driver=threads, autotune=false, "
+                                  "learner_ranks >= 2 (the candidates) and colocate=true (they sample until they learn)"))
+        if not 0 < self.role_low < self.role_high < 1:
+            errs.append(("role_low", f"needs 0 < role_low < role_high < 1, got {self.role_low} and {self.role_high}"))
         if self.segment_len < 0:
             errs.append(("segment_len", f"must be >= 0, got {self.segment_len}"))
         elif self.segment_len and not self.independent_envs:
@@ -476,6 +500,9 @@ class JobConfig:
         if self.swimlane.segment_len and self.algo.name != "ppo":
             errs.append(("swimlane.segment_len", f"segments need algo.name=ppo ({self.algo.name} learns from whole "
                                                  "episodes): set it to 0"))
+        if self.algo.shard == "fsdp" and self.swimlane.roles == "adaptive":
+            errs.append(("algo.shard", "swimlane.roles=adaptive averages gradients over the learners with samples, "
+                                       "which FSDP's reduce-scatter cannot: set algo.shard=none (or auto)"))
         if self.algo.shard == "fsdp" and self.swimlane.learner_ranks < 2:
             errs.append(("algo.shard", "fsdp shards the learners over swimlane.learner_ranks, which is "
                                        f"{self.swimlane.learner_ranks}: set it to 2 or more, or algo.shard=none"))
@@ -494,7 +521,8 @@ class JobConfig:
     @property
     def sharded_learners(self) -> bool:
         """Whether the learners are FSDP2-sharded (``algo.shard``, ``auto`` resolved)."""
-        return self.algo.shard == "fsdp" or (self.algo.shard == "auto" and self.swimlane.learner_ranks > 1)
+        return self.algo.shard == "fsdp" or (self.algo.shard == "auto" and self.swimlane.learner_ranks > 1
+                                             and self.swimlane.roles == "fixed")
 
     # Convenience wrappers -------------------------------------------------------------
     def validate(self) -> "JobConfig":

@@ -33,6 +33,7 @@ from dvla.report_gantt import plot_gantt
 from dvla.report_plots import (
     plot_autotune,
     plot_balance,
+    plot_roles,
     plot_lanes,
     plot_memory,
     plot_return,
@@ -78,6 +79,8 @@ def make_report(run_dir, out_dir=None) -> dict:
         plots.append(("autotune.png", lambda: plot_autotune(rows, out)))
     if sum(k.startswith("speed/rank") for k in set().union(*rows)) > 1:  # several rollout ranks measured
         plots.append(("balance.png", lambda: plot_balance(rows, out)))
+    if any("role_switches" in r for r in rows):  # swimlane.roles=adaptive
+        plots.append(("roles.png", lambda: plot_roles(rows, out)))
     pngs: list[Path] = []
     info: dict[str, dict] = {}
     skipped: list[str] = []

@@ -314,3 +314,38 @@ def plot_balance(rows, out: Path) -> Path:
     worst = max((v for v in col(rows, "stragglers") if v is not None), default=0)
     axes[0].set_title(f"Rollout ranks (at most {int(worst)} straggler(s) at once)")
     return save(fig, out / "balance.png")
+
+
+def plot_roles(rows, out: Path) -> Path:
+    """Adaptive roles over wall time (:mod:`swimlane.roles`): which ranks learn, the env
+    groups that step on each rank (0 on a rank that moved to the learners), and the learners'
+    share of time waiting for chunks that the planner decides on."""
+    t = wall_time(rows)
+    ranks = sorted({int(k.split("rank")[1]) for r in rows for k in r if k.startswith(("role/rank", "groups/rank"))})
+    if not any("role_switches" in r for r in rows):
+        raise Skip("no role_switches in metrics.jsonl (swimlane.roles=fixed)")
+    fig, axes = figure(3, 1, size=(8.0, 6.6))
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860"]
+    x, y = xy(t, col(rows, "learners"))
+    axes[0].step(x, y, where="post", color="#333333", lw=2, label="learners")
+    for i, rank in enumerate(ranks):
+        color = colors[i % len(colors)]
+        x, y = xy(t, col(rows, f"role/rank{rank}"))
+        if x:
+            axes[0].step(x, [v + 0.04 * i for v in y], where="post", color=color, lw=1.5, ls="--",
+                         label=f"rank {rank} learns")
+        x, y = xy(t, col(rows, f"groups/rank{rank}"))
+        if x:
+            axes[1].step(x, [v + 0.04 * i for v in y], where="post", color=color, lw=2, label=f"rank {rank}")
+    axes[0].set_ylabel("learner ranks")
+    axes[1].set_ylabel("env groups")
+    x, y = xy(t, col(rows, "learner_wait_share"))
+    axes[2].plot(x, y, ".-", color="#8172b2", lw=1)
+    axes[2].set_ylabel("learners' share of\ntime waiting for chunks")
+    axes[2].set_xlabel("wall time since start (s)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8) if ax.get_legend_handles_labels()[0] else None
+    switches = max((v for v in col(rows, "role_switches") if v is not None), default=0)
+    axes[0].set_title(f"Roles per rank ({int(switches)} switch(es) between rollout and learning)")
+    return save(fig, out / "roles.png")

@@ -140,6 +140,12 @@ def summary_text(run: Path, rows: list[dict], summaries: dict[int, dict], traces
             lines.append(f"rebalancing: {len(moves)} env group move(s): "
                          + ", ".join(f"v{m['version']} rank {m['src']} -> {m['dst']}" for m in moves[:8])
                          + (" ..." if len(moves) > 8 else ""))
+    roles = bal.get("roles")
+    if roles:
+        switches = roles.get("switches") or []
+        lines.append(f"roles: {len(switches)} switch(es)"
+                     + "".join(f", v{w['version']} rank {w['rank']} -> {w['to']}" for w in switches[:8])
+                     + (" ..." if len(switches) > 8 else "") + f"; learner ranks at the end: {roles.get('learners')}")
 
     # lanes
     if traces:

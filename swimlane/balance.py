@@ -106,41 +106,58 @@ def stragglers(speed: dict[int, float], k: float) -> list[int]:
     return sorted(r for r, s in speed.items() if s < median / k)
 
 
+WORDS_PER_RANK = 3  # share, env groups, route
+
+
 @dataclass
 class Plan:
-    """Per rollout rank: its share of its learner's chunks (admission) and how many env
-    groups step."""
+    """Per rollout rank: its share of its learner's chunks (admission), how many env groups
+    step (0: a rank that moved to the learners, :mod:`swimlane.roles`) and the learner its
+    chunks go to (adaptive roles; else its placement's route)."""
 
     shares: dict[int, float] = field(default_factory=dict)
     active: dict[int, int] = field(default_factory=dict)
+    routes: dict[int, int] = field(default_factory=dict)
 
     def encode(self, world_size: int) -> list[int]:
-        """``2 * world_size`` integers for the version header: per rank, share in millionths
-        and active groups (``NO_PLAN`` where the plan says nothing)."""
-        out = [NO_PLAN] * (2 * world_size)
+        """``3 * world_size`` integers for the version header: per rank, share in millionths,
+        active groups and route (``NO_PLAN`` where the plan says nothing)."""
+        out = [NO_PLAN] * (WORDS_PER_RANK * world_size)
         for r, s in self.shares.items():
-            out[2 * r] = round(s * SHARE_SCALE)
+            out[3 * r] = round(s * SHARE_SCALE)
         for r, a in self.active.items():
-            out[2 * r + 1] = a
+            out[3 * r + 1] = a
+        for r, learner in self.routes.items():
+            out[3 * r + 2] = learner
         return out
 
     @classmethod
     def decode(cls, words: list[int]) -> "Plan":
         """The inverse of :meth:`encode`; raises ValueError on words no plan produces."""
-        if len(words) % 2:
-            raise ValueError(f"a plan has two words per rank, got {len(words)}")
-        plan = cls()
-        for r in range(len(words) // 2):
-            share, active = words[2 * r], words[2 * r + 1]
+        if len(words) % WORDS_PER_RANK:
+            raise ValueError(f"a plan has {WORDS_PER_RANK} words per rank, got {len(words)}")
+        plan, world = cls(), len(words) // WORDS_PER_RANK
+        for r in range(world):
+            share, active, route = words[3 * r : 3 * r + 3]
             if share != NO_PLAN:
                 if not 0 < share <= SHARE_SCALE:
                     raise ValueError(f"plan: rank {r}'s share {share} is outside (0, {SHARE_SCALE}]")
                 plan.shares[r] = share / SHARE_SCALE
             if active != NO_PLAN:
-                if active < 1:
+                if active < 0:
                     raise ValueError(f"plan: rank {r} would run {active} env groups")
                 plan.active[r] = active
+            if route != NO_PLAN:
+                if not 0 <= route < world:
+                    raise ValueError(f"plan: rank {r} would send to rank {route} of {world}")
+                plan.routes[r] = route
         return plan
+
+
+def equal_shares(routes: dict[int, int]) -> dict[int, float]:
+    """Each rollout rank's share of its learner's chunks when every rank sends alike."""
+    senders = collections.Counter(routes.values())
+    return {r: 1.0 / senders[learner] for r, learner in routes.items()}
 
 
 @dataclass
@@ -160,14 +177,23 @@ class Rebalancer:
 
     def __init__(self, routes: dict[int, int], built: int, active: int, k: float, window_s: float,
                  clock=time.monotonic):
-        self.routes, self.built, self.k, self.window_s, self.clock = routes, built, k, window_s, clock
+        self.routes, self.built, self.k, self.window_s, self.clock = dict(routes), built, k, window_s, clock
+        self.start_active = active
         self.plan = Plan(shares=self._equal(), active={r: active for r in routes})
         self.moves: list[Move] = []
         self._last_move = -math.inf
 
     def _equal(self) -> dict[int, float]:
-        senders = collections.Counter(self.routes.values())
-        return {r: 1.0 / senders[learner] for r, learner in self.routes.items()}
+        return equal_shares(self.routes)
+
+    def set_routes(self, routes: dict[int, int]) -> None:
+        """Ranks moved between rollout and learning (:mod:`swimlane.roles`): ``routes`` are
+        the sampling ranks' learners now. A rank that comes back gets its env groups back;
+        the shares are equal again until the ranks are measured."""
+        self.routes = dict(routes)
+        for r in routes:
+            self.plan.active.setdefault(r, self.start_active)
+        self.plan.shares = self._equal()
 
     def update(self, speed: dict[int, float], version: int) -> Plan:
         """The plan for ``version`` from the ranks' measured speeds (env steps per second

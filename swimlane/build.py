@@ -38,7 +38,7 @@ from planes.data import (
     lookup_endpoints,
 )
 from swimlane.autotune import Knob, Setting, Tuner
-from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource
+from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, RoutedSink
 from swimlane.weights import DoubleBufferedWeights
 
 log = logging.getLogger("dvla.swimlane")
@@ -274,11 +274,15 @@ def build_weights(policy, rank: int, world: int, control_group, stages, alloc, r
 
 
 def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: int, placement: Placement,
-                     topology: Topology, limits: tuple[int, int] | None = None, fields: dict | None = None):
+                     topology: Topology, limits: tuple[int, int] | None = None, fields: dict | None = None,
+                     routes: dict[int, int] | None = None):
     """``(source, sink, expected_senders)``: a local queue in one process; otherwise every
     learner rank binds a receiver (its tcp endpoint where its senders on other hosts can
     reach it) and each rollout rank sends to the learner (and over the transport) its
-    placement says. ``limits``: the largest legal message and frame of this job
+    placement says (``routes``, when given, override the placement's). With adaptive roles
+    (``sl.roles``) every rollout rank has a sender to every learner rank and a
+    :class:`swimlane.chunks.RoutedSink` picks one per chunk; every learner then expects
+    every rollout rank. ``limits``: the largest legal message and frame of this job
     (:meth:`swimlane.validate.ChunkSpec.message_limits`); the receiver refuses bigger ones
     (never above what ``dp`` allows). ``fields``: the further tensors every chunk carries
     (:meth:`swimlane.validate.ChunkSpec.optional_fields`)."""
@@ -286,6 +290,8 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
         chunks = LocalChunks(sl.queue_size)
         return chunks, chunks, []
     store = dist.distributed_c10d._get_default_store()
+    adaptive = sl.roles == "adaptive"
+    routes = routes or placement.routes
     source = sink = None
     expected: list[str] = []
     if rank in placement.learners:
@@ -294,7 +300,7 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
             bounds = {"max_message_bytes": min(dp.max_message_bytes, limits[0]),
                       "max_frame_bytes": min(dp.max_frame_bytes or dp.max_message_bytes, limits[1])}
         dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": sl.queue_size, **bounds})
-        senders = placement.senders_of(rank)
+        senders = placement.rollout if adaptive else placement.senders_of(rank)
         elsewhere = any(topology.host_of(r) != topology.host_of(rank) for r in senders)
         try:
             receiver = TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{rank}", peers_elsewhere=elsewhere,
@@ -304,16 +310,25 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
         source = RemoteChunkSource(receiver, fields)
         expected = [f"rank{r}" for r in senders]
     if rank in placement.rollout:
-        endpoints = lookup_endpoints(store, key=f"dvla/data/{placement.routes[rank]}")
-        transport = dp.transport if dp.transport != "auto" else placement.transports[rank]  # a forced one wins
-        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": transport})
         keys = None
         if dp.curve and dp.curve_keys_dir:
             try:
                 keys = load_client_keys(dp.curve_keys_dir, f"rank{rank}")
             except DataPlaneConfigError as exc:
                 raise ConfigError(str(exc)) from None
-        sink = RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}", client_keys=keys))
+
+        def sink_to(learner: int) -> RemoteChunkSink:
+            endpoints = lookup_endpoints(store, key=f"dvla/data/{learner}")
+            same_host = topology.host_of(learner) == topology.host_of(rank)
+            auto = placement.transports[rank] if learner == placement.routes[rank] else "ipc" if same_host else "tcp"
+            transport = dp.transport if dp.transport != "auto" else auto  # a forced one wins
+            dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": transport})
+            return RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}", client_keys=keys))
+
+        if adaptive:
+            sink = RoutedSink({learner: sink_to(learner) for learner in placement.learners}, routes[rank])
+        else:
+            sink = sink_to(routes[rank])
     return source, sink, expected
 
 

@@ -102,6 +102,40 @@ class RemoteChunkSink:
         self.sender.close()
 
 
+class RoutedSink:
+    """Rollout side with adaptive roles (:mod:`swimlane.roles`): a sender to every learner
+    candidate, each chunk to the learner the plan names now. Each learner is told, at the
+    end, how many chunks it was sent."""
+
+    def __init__(self, sinks: dict[int, RemoteChunkSink], learner: int):
+        self.sinks, self.learner = sinks, learner
+        self.sent: collections.Counter = collections.Counter()  # learner -> chunks sent to it
+
+    @property
+    def sender(self) -> TrajectorySender:
+        """The sender of the current route."""
+        return self.sinks[self.learner].sender
+
+    def set_route(self, learner: int) -> None:
+        if learner not in self.sinks:
+            raise ValueError(f"no sender to rank {learner}: the candidates are {sorted(self.sinks)}")
+        self.learner = learner
+
+    def put(self, chunk: Chunk, stop: threading.Event | None = None) -> bool:
+        learner = self.learner  # one read: a plan may move the route meanwhile
+        self.sinks[learner].put(chunk, stop)
+        self.sent[learner] += 1
+        return True
+
+    def end(self, meta: dict[str, Any]) -> None:
+        for learner, sink in self.sinks.items():
+            sink.end({**meta, "chunks": self.sent[learner]})
+
+    def close(self) -> None:
+        for sink in self.sinks.values():
+            sink.close()
+
+
 class RemoteChunkSource:
     """Learner side of the data plane; invalid chunks are counted and skipped."""
 

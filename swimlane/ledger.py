@@ -31,6 +31,7 @@ COUNTERS: dict[str, str] = {
     "rejected_extras": "gradient",
     "rejected_episodes": "gradient",
     "updates_non_finite": "gradient",
+    "updates_sat_out": "gradient",  # adaptive roles: updates this learner rank took part in without chunks
     "publish_skipped_busy": "gradient",
     # The gradient lane while it runs (a collection cut short), then the supervisor's drain
     # once it has ended: never both at once.

@@ -19,12 +19,14 @@ from dvla.checkpoint import CheckpointManager
 from dvla.config import JobConfig
 from dvla.distributed import resolve_device, sum_over_group
 from dvla.metrics import MetricsLogger
-from dvla.rollout import cameras_of, episode_means, episode_totals
+from dvla.rollout import EPISODE_TOTALS, cameras_of, episode_means, episode_totals
 from dvla.sharding import learner_bytes
 from dvla.types import RolloutBatch
 from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
 from swimlane.agreement import agree
+from swimlane.balance import WORDS_PER_RANK, Plan
+from swimlane.chunks import RoutedSink
 from swimlane.imbalance import RankBalance
 from swimlane.build import (
     tuner_for,
@@ -129,9 +131,13 @@ class RankLanes:
             self._start_learner(resume=cfg.run.resume or self.restarts > 0)
 
         self.publish_dtype = publish_dtype(sl, self.device)
+        # Imbalance between rollout ranks and who learns: measured by every learner, planned by
+        # rank 0, the plan sent with each version (swimlane/imbalance.py, swimlane/roles.py).
+        self.balance = RankBalance(sl, rank, world_size, pl, self.groups.learner)
+        self.learning = rank == 0 or sl.roles == "fixed"  # this rank learns in the next update
         buffers = build_weights(self.policy, rank, world_size, self.groups.control, self.groups.stages,
                                 persistent_alloc(self.memory), rollout=self.is_rollout, dtype=self.publish_dtype,
-                                header_words=2 * world_size if sl.rebalance else 0)
+                                header_words=WORDS_PER_RANK * world_size if self.balance.planning else 0)
         self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
                                                                  buffers.snap_flats, buffers.bc)
         if self.is_learner:  # after agreeing on (or resuming) the whole state, and copying it
@@ -140,7 +146,8 @@ class RankLanes:
             self.memory.persistent.seal()  # from here on, only the transient pool allocates
         self.source, self.sink, self.expected_senders = build_data_plane(
             sl, data_plane or cfg.data_plane, rank, world_size, self.placement, self.topology,
-            limits=self.chunk_spec.message_limits(), fields=self.chunk_spec.optional_fields())
+            limits=self.chunk_spec.message_limits(), fields=self.chunk_spec.optional_fields(),
+            routes=self.balance.routes)
 
         # One order of collectives on a learner of several (swimlane/ordering.py).
         self.order = CollectiveOrder(enabled=self.is_learner and sl.learner_ranks > 1, start=self.version,
@@ -151,9 +158,6 @@ class RankLanes:
         self._replies: LocalChannel[Reply] = LocalChannel()  # inference -> sampling
         self.slot = SnapshotSlot()  # learner lane -> publish lane (rank 0)
         self.history: list[dict[str, Any]] = []
-        # Imbalance between rollout ranks: measured by every learner, planned by rank 0 when
-        # rebalancing, the plan sent with each version (swimlane/imbalance.py).
-        self.balance = RankBalance(sl, rank, world_size, pl, self.groups.learner)
         self._start_time = time.perf_counter()
         self._start_unix = time.time()
 
@@ -228,7 +232,7 @@ class RankLanes:
                 mode=self.sl.mode, n_envs=self.cfg.env.n_envs, group_size=self.group_size,
                 episode_len=self.cfg.env.episode_len, action_chunk=self.cfg.policy.action_chunk,
                 has_value=self.policy.has_value_head, chunks_per_update=self.sl.chunks_per_update,
-                senders=len(self.placement.senders_of(self.placement.routes[self.rank])),
+                senders=sum(learner == self.balance.routes[self.rank] for learner in self.balance.routes.values()),
                 max_staleness=self.sl.max_staleness, max_env_failures=self.sl.max_env_failures,
                 rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
                 rollout_ranks=len(self.rollout_ranks), extras=self.policy.rollout_extras(),
@@ -285,7 +289,8 @@ class RankLanes:
             stall=StallTimer(self.sl.stall_timeout_s), idle=self._retry_handoff,
             stop_rollouts=self.rollout_stop.set, activations=self._activations,
             turn=self.turns, before_update=lambda: self.order.before_update(self.version, self.stop_event),
-            throughput=self.balance.throughput)
+            throughput=self.balance.throughput,
+            learning=(lambda: self.learning) if self.sl.roles == "adaptive" and self.rank != 0 else None)
 
     def _retry_handoff(self) -> None:
         if self.slot.pending and self.slot.free:
@@ -296,7 +301,9 @@ class RankLanes:
         True after the last update (or when the time is up)."""
         self.version += 1
         stats, steps_global = self._global_stats(update.batch, update.env_steps)
-        stats.update(self.balance.after_update(self.version, self._offer_plan if self.is_rollout else None))
+        stats.update(self.balance.after_update(
+            self.version, self._apply_plan, update.wait_s, update.learn_s,
+            int(update.batch.valid.sum()) if update.batch is not None else 0, self.order.published(self.version)))
         self._env_steps = steps_global
         wall = time.perf_counter() - self._start_time
         totals = self.total_counters()
@@ -347,17 +354,24 @@ class RankLanes:
         """Episode stats averaged and consumed env steps summed over the learner ranks."""
         limit = self.cfg.run.time_limit_s
         time_up = float(bool(limit) and time.perf_counter() - self._start_time >= limit)
-        stats = {**episode_totals(batch), "env_steps": float(steps_total), "time_up": time_up}
+        totals = episode_totals(batch) if batch is not None else dict.fromkeys(EPISODE_TOTALS, 0.0)  # sat out
+        stats = {**totals, "env_steps": float(steps_total), "time_up": time_up}
         if self.sl.learner_ranks > 1:  # learners agree on when the time is up
             stats = sum_over_group(stats, self.groups.learner)
         self.time_up = stats.pop("time_up") > 0
         steps = self.ledger.carried_env_steps + round(stats.pop("env_steps"))
         return episode_means(stats), steps
 
-    def _offer_plan(self, share: float | None, active: int | None) -> None:
-        """This rank's part of a rebalancing plan, for its sampling lane."""
-        if self._sampling is not None:
+    def _apply_plan(self, plan: Plan) -> None:
+        """This rank's part of a plan: its share and env groups (sampling lane), where its
+        chunks go (sink), and whether it learns in its next update (adaptive roles)."""
+        share, active, route = (part.get(self.rank) for part in (plan.shares, plan.active, plan.routes))
+        if self._sampling is not None and (share is not None or active is not None):
             self._sampling.offer_plan(share, active)
+        if route is not None and isinstance(self.sink, RoutedSink):
+            self.sink.set_route(route)
+        if plan.routes and self.is_learner:
+            self.learning = self.rank == 0 or self.rank in plan.routes.values()
 
     def _handoff(self, wait: bool) -> None:
         """Give the publish lane a snapshot of the current weights (one copy), unless it is
@@ -406,8 +420,8 @@ class RankLanes:
         """Other ranks: receive every published version into the standby replica."""
         ReceiveLane(broadcaster=self.bc, weights=self.weights, tracer=self.tracer, shutdown_marker=SHUTDOWN,
                     order=self.order if self.order.enabled else None, stop=self.stop_event,
-                    on_header=(lambda words: self.balance.apply(words, self._offer_plan))
-                    if self.sl.rebalance and self.is_rollout else None).run()
+                    on_header=(lambda words: self.balance.apply(words, self._apply_plan))
+                    if self.balance.planning and self.is_rollout else None).run()
         self.rollout_stop.set()
 
     # -- run -------------------------------------------------------------------------------

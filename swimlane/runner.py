@@ -203,6 +203,8 @@ class Swimlane(RankLanes):
             "host": self.topology.hosts[self.topology.host_of(self.rank)].name,
             "role": self.placement.role(self.rank),
         }
+        if self.sl.roles == "adaptive" and self.is_learner:
+            summary["learning_at_end"] = self.learning  # a candidate's role when the run ended
         if self.memory is not None:
             summary["memory"] = self.memory.summary()
             if self.host_pool is not self.memory.transient:
@@ -217,7 +219,7 @@ class Swimlane(RankLanes):
                 summary["env_groups_active"] = self._sampling.active
                 summary["chunks_by_group"] = [g.chunks for g in self._sampling.groups]
         if self.world_size > 1 and self.is_rollout:
-            summary["data_route"] = {"learner": self.placement.routes[self.rank],
+            summary["data_route"] = {"learner": getattr(self.sink, "learner", self.placement.routes[self.rank]),
                                      "transport": self.sink.sender.address.split("://")[0],  # as dialled
                                      "address": self.sink.sender.address}
         if self.rank == 0:

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Iterator
 
 LANES = ("sampling", "inference", "gradient", "broadcast")
-IDLE_KINDS = ("wait", "throttle")  # span kinds that count as idle time
+IDLE_KINDS = ("wait", "throttle", "follow")  # span kinds that count as idle time (follow: an update sat out,
+# mostly waiting in the all-reduce for the learners with samples)
 COLORS = {
     "sim": "#4c72b0", "reset": "#8172b2", "wait": "#dddddd", "throttle": "#eeeeaa", "infer": "#dd8452", "value": "#c44e52",
     "learn": "#55a868", "stale_drop": "#937860", "publish": "#da8bc3", "receive": "#8c8c8c",
-    "snapshot": "#ccb974", "send": "#64b5cd",
+    "snapshot": "#ccb974", "send": "#64b5cd", "follow": "#b7dcc0",
 }
 
 _NO_SPAN = nullcontext()

@@ -8,6 +8,7 @@ import copy
 import traceback
 from functools import partial
 
+import pytest
 import torch
 from ranks import spawn_ranks
 
@@ -83,3 +84,145 @@ def test_a_learner_that_sits_an_update_out_leaves_the_weights_of_a_fixed_role_ru
         assert r["diff"]["unmasked"] > 1e-5, (rank, r["diff"])  # the test can fail
         assert (r["samples"]["adaptive"][1] == 0.0) == (rank == 1), r["samples"]
     assert res[0]["digest"] == res[1]["digest"]  # one state on both learners
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_routes_send_a_sampling_learner_to_itself_and_the_rest_to_the_least_loaded():
+    from swimlane.roles import routes_for
+
+    assert routes_for([0], [0, 1, 2]) == {0: 0, 1: 0, 2: 0}
+    assert routes_for([0, 1], [0, 2]) == {0: 0, 2: 1}  # rank 1 learns and samples nothing
+    assert routes_for([0, 1], [0, 1, 2, 3]) == {0: 0, 1: 1, 2: 0, 3: 1}
+    assert routes_for([0, 3], [0, 1, 2]) == {0: 0, 1: 3, 2: 0}
+    with pytest.raises(ValueError, match="at least as many"):
+        routes_for([0, 1, 2], [0, 3])
+
+
+def _planner(clock, candidates=(1,), rollout=(0, 1, 2)):
+    from swimlane.roles import RolePlanner
+
+    return RolePlanner(list(candidates), list(rollout), low=0.1, high=0.5, window_s=10.0, clock=clock)
+
+
+def _feed(planner, clock, wait: float, learn: float, steps: int, n: int, version: int, published=True):
+    """``n`` updates one second apart; True if one of them switched roles."""
+    switched = False
+    for i in range(n):
+        clock.t += 1.0
+        planner.observe({0: (wait, learn), 1: (0.0, learn)}, steps)
+        switched |= planner.update(version + i, published)
+    return switched
+
+
+def test_the_planner_adds_a_learner_when_learning_is_the_bottleneck_and_goes_back_when_rollouts_are():
+    clock = Clock()
+    planner = _planner(clock)
+    assert not _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=9, version=1)  # less than a window
+    assert _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=1, version=10)
+    assert planner.learners == [0, 1] and planner.routes == {0: 0, 2: 1}
+    assert planner.switches[-1].to == "learner" and planner.switches[-1].version == 10
+    # Between the thresholds nothing moves, however long it lasts.
+    assert not _feed(planner, clock, wait=0.3, learn=0.7, steps=200, n=30, version=11)
+    # The rollouts are the bottleneck, and 2 learners consume less than 1 did: back.
+    assert _feed(planner, clock, wait=0.8, learn=0.2, steps=50, n=12, version=41)
+    assert planner.learners == [0] and planner.switches[-1].to == "rollout"
+    assert len(planner.switches) == 2
+    # Learning is the bottleneck again, but 2 learners were measured worse than 1 is now:
+    # no switch back within the memory; after it, the planner tries again.
+    assert not _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=40, version=60)
+    assert _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=80, version=100)
+    assert len(planner.switches) == 3
+
+
+def test_the_planner_switches_at_most_once_per_window_only_at_published_versions_and_within_bounds():
+    clock = Clock()
+    planner = _planner(clock)
+    assert not _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=20, version=1, published=False)
+    assert _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=20, version=21)
+    assert len(planner.switches) == 1  # one per window, and no candidate is left to join
+    lone = _planner(clock, rollout=(0, 1))  # rank 1 is the only other sampler: it must keep sampling
+    assert not _feed(lone, clock, wait=0.0, learn=1.0, steps=100, n=30, version=1)
+    assert lone.learners == [0]
+
+
+def test_a_routed_sink_sends_each_chunk_to_the_planned_learner_and_tells_each_its_count():
+    from swimlane.chunks import RoutedSink
+
+    class Sink:
+        def __init__(self):
+            self.got, self.ended, self.closed = [], None, False
+
+        def put(self, chunk, stop=None):
+            self.got.append(chunk)
+            return True
+
+        def end(self, meta):
+            self.ended = meta
+
+        def close(self):
+            self.closed = True
+
+    sinks = {0: Sink(), 1: Sink()}
+    routed = RoutedSink(sinks, learner=0)
+    routed.put("a")
+    routed.set_route(1)
+    routed.put("b")
+    routed.put("c")
+    with pytest.raises(ValueError, match="no sender to rank 2"):
+        routed.set_route(2)
+    routed.end({"rank": 2, "chunks": 3})
+    routed.close()
+    assert sinks[0].got == ["a"] and sinks[1].got == ["b", "c"]
+    assert sinks[0].ended == {"rank": 2, "chunks": 1} and sinks[1].ended == {"rank": 2, "chunks": 2}
+    assert sinks[0].closed and sinks[1].closed
+
+
+def test_adaptive_roles_are_checked():
+    from dvla.config import ConfigError, apply_overrides
+
+    base = ["swimlane.roles=adaptive", "swimlane.learner_ranks=2"]
+    assert not apply_overrides(debug(), base).validate().sharded_learners  # auto: unsharded
+    for bad, match in ((["swimlane.mode=sync"], "roles"), (["swimlane.colocate=false"], "roles"),
+                       (["swimlane.learner_ranks=1"], "roles"), (["algo.shard=fsdp"], "algo.shard"),
+                       (["swimlane.role_low=0.6"], "role_low")):
+        with pytest.raises(ConfigError, match=match):
+            apply_overrides(debug(), base + bad).validate()
+
+
+def test_a_rank_moves_between_rollout_and_learning_mid_run(tmp_path):
+    """Three processes under torchrun: rank 0 learns, rank 1 is a candidate, rank 2 samples
+    slowly; learning is slow (many epochs), weights go out every second version. Rank 1
+    joins the learners at a published version, then goes back to sampling when the
+    learners wait for rank 2's chunks. No deadlock; both learner ranks end with the same
+    weights (the masked average keeps them one); every chunk is accounted for on both."""
+    import json
+
+    from dvla.metrics import read_metrics
+    from dvla.report import make_report
+    from tests.ranks import torchrun_job
+
+    run = torchrun_job(tmp_path, "roles", [
+        "swimlane.learner_ranks=2", "swimlane.roles=adaptive", "swimlane.balance_window_s=1",
+        "swimlane.broadcast_every=2", "swimlane.max_staleness=2", "algo.update_epochs=48",
+        "env.rank_options.2.render_wait_ms=500", "run.iterations=16"], nproc=3)
+    lead, cand = (json.loads((run / name).read_text()) for name in ("summary.json", "summary_rank1.json"))
+    assert lead["version"] == cand["version"] == 16
+    switches = lead["balance"]["roles"]["switches"]
+    assert [(w["rank"], w["to"]) for w in switches[:2]] == [(1, "learner"), (1, "rollout")], switches
+    assert all(w["version"] % 2 == 0 for w in switches)  # only at published versions
+    assert cand["weights_digest"] == lead["weights_digest"]
+    assert cand["totals"]["chunks_consumed"] > 0 and cand["totals"]["updates_sat_out"] > 0
+    for s in (lead, cand):
+        assert s["chunk_accounting"]["unaccounted"] == 0, s["chunk_accounting"]
+        assert not any(v for k, v in s["totals"].items() if k.startswith("rejected_")), s["totals"]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert {r["role/rank1"] for r in rows} == {0.0, 1.0} and {r["groups/rank1"] for r in rows} >= {0.0, 2.0}
+    report = make_report(run)
+    assert "roles.png" in report["plots"] and "roles: " in report["summary"]

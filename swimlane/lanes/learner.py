@@ -55,10 +55,11 @@ class LearnerConfig:
 class Update:
     """What one learner step produced, for the run to log and act on."""
 
-    batch: RolloutBatch
+    batch: RolloutBatch | None  # None: this learner sat the update out (no chunks)
     learn: dict[str, float]
     learn_s: float
     env_steps: int  # consumed by this learner since the lane started
+    wait_s: float = 0.0  # waiting for its chunks
 
 
 class LearnerLane:
@@ -69,7 +70,7 @@ class LearnerLane:
                  activations: Callable[[], ContextManager] = contextlib.nullcontext,
                  before_update: Callable[[], bool] = lambda: True,
                  turn: Callable[[], ContextManager] = contextlib.nullcontext,
-                 throughput: Throughput | None = None):
+                 throughput: Throughput | None = None, learning: Callable[[], bool] | None = None):
         """``version()``: the weights version being trained; ``finish_update(update)`` logs,
         checkpoints and publishes, and returns True after the last update;
         ``check_health(stall)`` raises when the run cannot go on (dead senders, a stall);
@@ -77,13 +78,19 @@ class LearnerLane:
         ``before_update()`` gates the update's collectives (:mod:`swimlane.ordering`), False
         when the run stopped while waiting; ``turn()``: the context an update runs in
         (:class:`swimlane.lanes.turns.Turns`); ``throughput``: where every usable or stale
-        chunk is counted per rollout rank and env group (:mod:`swimlane.balance`)."""
+        chunk is counted per rollout rank and env group (:mod:`swimlane.balance`).
+
+        ``learning()`` (a learner rank that switches roles, :mod:`swimlane.roles`): whether
+        the plan has it learn in the next update. Such a lane passes ``before_update`` first,
+        so that the plan of the version before is in; then it waits for ``need`` chunks only
+        when learning, else takes what is already queued (maybe nothing: it sits the update
+        out, :meth:`dvla.algos.base.Algorithm.follow`)."""
         self.source, self.algo, self.generator = source, algo, generator
         self.ledger, self.tracer, self.cfg = ledger, tracer, cfg
         self.version, self.finish_update = version, finish_update
         self.check_health, self.stall, self.idle = check_health, stall, idle
         self.stop_rollouts, self.activations, self.before_update = stop_rollouts, activations, before_update
-        self.turn, self.throughput = turn, throughput
+        self.turn, self.throughput, self.learning = turn, throughput, learning
         self.consumed_steps = 0
         self.bad_in_a_row = 0
         self._pending: tuple[list[RolloutBatch], list[Any]] = ([], [])  # poll(): chunks so far
@@ -127,16 +134,19 @@ class LearnerLane:
         chunks.append(batch)
         releases.append(on_done)
 
-    def collect(self, stop: threading.Event) -> tuple[list[RolloutBatch], list[Any]] | None:
+    def collect(self, stop: threading.Event, wait: bool = True) -> tuple[list[RolloutBatch], list[Any]] | None:
         """``need`` chunks the learner can use (and their release callbacks), or None if
-        the run stopped first (what was collected is counted as discarded)."""
+        the run stopped first (what was collected is counted as discarded). Without
+        ``wait``: what is queued now, up to ``need`` (maybe none)."""
         chunks: list[RolloutBatch] = []
         releases: list[Any] = []
         while len(chunks) < self.cfg.need and not stop.is_set():
             self.idle()
             with self.tracer.span("gradient", "wait"):
-                item = self.source.get(timeout=self.cfg.poll_s)
+                item = self.source.get(timeout=self.cfg.poll_s if wait else 0.0)
             if item is None:
+                if not wait:
+                    return chunks, releases
                 self.check_health(self.stall)
                 continue
             self.accept(item, chunks, releases)
@@ -147,10 +157,14 @@ class LearnerLane:
 
     def step(self, stop: threading.Event) -> bool:
         """Collect, learn once, finish the update; False when the lane should end."""
-        got = self.collect(stop)
+        gated = self.learning is not None
+        if gated and not self.before_update():
+            return False
+        t0 = time.perf_counter()
+        got = self.collect(stop, wait=not gated or self.learning())
         if got is None:
             return False
-        return self.learn(*got)
+        return self.learn(*got, wait_s=time.perf_counter() - t0, gated=gated)
 
     def poll(self) -> bool:
         """For the serial driver: take one waiting chunk without blocking, and learn once
@@ -165,9 +179,11 @@ class LearnerLane:
             self.done = not self.learn(*pending)
         return True
 
-    def learn(self, chunks: list[RolloutBatch], releases: list[Any]) -> bool:
-        """One update from ``chunks``; False after the last one (or a stop)."""
-        if not self.before_update():
+    def learn(self, chunks: list[RolloutBatch], releases: list[Any], wait_s: float = 0.0,
+              gated: bool = False) -> bool:
+        """One update from ``chunks`` (none: this learner sits it out); False after the last
+        one (or a stop). ``gated``: ``before_update`` was passed already."""
+        if not gated and not self.before_update():
             self.ledger.add("discarded_after_run", len(chunks))
             for release in releases:
                 if release is not None:
@@ -175,13 +191,19 @@ class LearnerLane:
             return False
         if self.cfg.stop_rollouts_before_last and self.version() + 1 >= self.cfg.iterations:
             self.stop_rollouts()  # the last update has its data
-        batch = concat(chunks)
+        batch = concat(chunks) if chunks else None
         self.ledger.add("chunks_consumed", len(chunks))
         t0 = time.perf_counter()
-        with self.turn(), self.tracer.span("gradient", "learn"), self.activations():
-            learn = self.algo.update(batch, self.generator, learner_version=self.version())
+        with self.turn(), self.tracer.span("gradient", "learn" if chunks else "follow"), self.activations():
+            if chunks:
+                learn = self.algo.update(batch, self.generator, learner_version=self.version())
+            else:
+                self.algo.follow()
+                learn = {"samples": 0.0}
+                self.ledger.add("updates_sat_out")
         self.check_finite(learn)
-        update = Update(batch=batch, learn=learn, learn_s=time.perf_counter() - t0, env_steps=self.consumed_steps)
+        update = Update(batch=batch, learn=learn, learn_s=time.perf_counter() - t0, env_steps=self.consumed_steps,
+                        wait_s=wait_s)
         del chunks, batch
         try:
             last = self.finish_update(update)

@@ -245,7 +245,8 @@ class SamplingLane:
 
     def offer_plan(self, share: float | None, active: int | None) -> None:
         """From another thread: a rebalancing plan's share of this rank (admission) and env
-        groups that step, applied by the lane's own thread before its next unit of work."""
+        groups that step (0: the rank learns now, :mod:`swimlane.roles`), applied by the
+        lane's own thread before its next unit of work."""
         self.plan = (share, active)
 
     def _apply_plan(self) -> None:
@@ -254,7 +255,7 @@ class SamplingLane:
         if share is not None:
             self.admission.set_share(share, self.cfg.chunks_per_update)
         if active is not None:
-            self.active = max(1, min(active, len(self.envs)))
+            self.active = max(0, min(active, len(self.envs)))
         if self.parked and min(self.parked) < self.active:  # groups that may step now
             self.start_admitted()
 
@@ -263,6 +264,10 @@ class SamplingLane:
         the lane should end."""
         if self.plan is not None:
             self._apply_plan()
+        if self.active == 0 and len(self.parked) == len(self.envs):  # the rank learns now: nothing to sample
+            with self.tracer.span("sampling", "throttle"):
+                self.stop.wait(self.cfg.poll_s)
+            return True
         if len(self.parked) == len(self.envs):  # every group throttled: wait for newer weights
             with self.tracer.span("sampling", "throttle"):
                 fresh = self.weights.wait_for(self.admission.needed(), self.stop, timeout=self.cfg.throttle_s)
