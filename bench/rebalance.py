@@ -15,6 +15,17 @@ With ``--mode sync`` both run in sync mode, and ``adaptive`` is ``swimlane.reiss
 rank 1 samples the round's work again while it waits, so the learner's round need not wait
 for rank 2 (what arrives late is dropped and counted).
 
+With ``--mode roles`` the workload has two phases. Rank 0 learns and also rolls out
+(colocated), ranks 1 and 2 roll out. Every forward pass of the learner waits
+``--learn-wait-ms`` (``tiny_vla``'s ``learn_wait_ms``: a larger model on an accelerator of its
+own, which uses no core here). For the first ``--phase-s`` seconds the renders wait as above
+(rank 2 a straggler) and the rollouts are the bottleneck; then the renders wait 2 ms, and
+learning is. ``static`` keeps one learner; ``adaptive`` has rank 1 as a learner candidate
+(``swimlane.roles=adaptive``, :mod:`swimlane.roles`) besides the rebalancing, so that it can
+stop sampling and join the learners while learning is the bottleneck.
+
+    python bench/rebalance.py --mode roles --repeats 2 --iterations 80 --wait-ms 150 --slow 5
+
 Each repeat runs both, the order alternating. Printed per run and as medians: env steps per
 second consumed by the learner (its run's ``env_steps_per_s``), and the mean success rate of
 the last quarter of the updates (so that faster data does not come at the cost of learning).
@@ -36,9 +47,12 @@ from pathlib import Path
 
 
 def run(out: Path, adaptive: bool, args) -> dict[str, float]:
+    roles = args.mode == "roles"
+    phases = [f"env.options.phase_after_s={args.phase_s}", "env.options.render_wait_ms_after=2",
+              f"policy.options.learn_wait_ms={args.learn_wait_ms}"] if roles else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", "-m",
-           "dvla.launch", "--preset", "fast_reach", "swimlane.colocate=false", "swimlane.env_groups=2",
-           f"swimlane.mode={args.mode}",
+           "dvla.launch", "--preset", "fast_reach", f"swimlane.colocate={roles}", "swimlane.env_groups=2",
+           f"swimlane.mode={'async' if roles else args.mode}", *phases,
            "run.torch_threads=1", "run.progress=false", f"run.iterations={args.iterations}",
            f"env.options.render_wait_ms={args.wait_ms}",
            f"env.rank_options.2.render_wait_ms={args.wait_ms * args.slow}",
@@ -50,20 +64,26 @@ def run(out: Path, adaptive: bool, args) -> dict[str, float]:
     rows = [json.loads(line) for line in (out / "r" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     tail = [r["success_rate"] for r in rows[-max(1, len(rows) // 4):] if r.get("success_rate") is not None]
     return {"sps": s["env_steps_per_s"], "success": sum(tail) / max(len(tail), 1),
-            "moves": len(s.get("balance", {}).get("moves", [])), "dropped": s["totals"].get("dropped_stale", 0)}
+            "moves": len(s.get("balance", {}).get("moves", [])), "dropped": s["totals"].get("dropped_stale", 0),
+            "switches": len(s.get("balance", {}).get("roles", {}).get("switches", []))}
 
 
 def adaptive_overrides(args) -> list[str]:
     if args.mode == "sync":
         return ["swimlane.reissue=true"]
-    return ["swimlane.rebalance=true", "swimlane.spare_groups=1", f"swimlane.balance_window_s={args.window_s}",
+    roles = ["swimlane.learner_ranks=2", "swimlane.roles=adaptive"] if args.mode == "roles" else []
+    return [*roles, "swimlane.rebalance=true", "swimlane.spare_groups=1", f"swimlane.balance_window_s={args.window_s}",
             f"swimlane.straggler_factor={args.straggler_factor}"]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("async", "sync"), default="async",
-                   help="async: rebalancing; sync: re-issuing a round's work")
+    p.add_argument("--mode", choices=("async", "sync", "roles"), default="async",
+                   help="async: rebalancing; sync: re-issuing a round's work; roles: a straggler phase, then a "
+                        "learning-bound one, with adaptive roles")
+    p.add_argument("--phase-s", type=float, default=40.0, help="roles: seconds until the renders stop waiting")
+    p.add_argument("--learn-wait-ms", type=float, default=100.0,
+                   help="roles: what each of the learner's forward passes waits (learning's cost)")
     p.add_argument("--iterations", type=int, default=60)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--wait-ms", type=float, default=25.0)
@@ -85,7 +105,8 @@ def main() -> None:
             ratios.append(res[True]["sps"] / res[False]["sps"])
             print(f"repeat {i}: static {res[False]['sps']:.0f} env steps/s (success {res[False]['success']:.2f}), "
                   f"adaptive {res[True]['sps']:.0f} (success {res[True]['success']:.2f}, {res[True]['moves']} "
-                  f"group moves, {res[True]['dropped']} stale chunks dropped): {ratios[-1]:.2f}x", flush=True)
+                  f"group moves, {res[True]['switches']} role switches, {res[True]['dropped']} stale chunks "
+                  f"dropped): {ratios[-1]:.2f}x", flush=True)
 
     def med(mode, key):
         return statistics.median(r[key] for r in got[mode])

@@ -35,6 +35,11 @@ class Admission:
         self.started = 0
         self.per_version = chunks_per_update * share
 
+    def anchor(self, version: int) -> None:
+        """Count from ``version`` on, as if starting now: the rank sends to another learner
+        (adaptive roles), whose versions its earlier batches say nothing about."""
+        self.base, self.started = version, 0
+
     def needed(self, ahead: int = 0) -> int:
         """The oldest weights version the next batch of episodes may start with (``ahead``:
         the batch after that many more, for episodes that join a chunk still behind others)."""

@@ -14,6 +14,7 @@ learner).
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from typing import Any, Callable
 
@@ -68,7 +69,8 @@ class RankBalance:
         m = {"stragglers": float(len(self.stragglers)), **{f"speed/rank{r}": v for r, v in speed.items()},
              **{f"dropped_share/rank{r}": float(t[r, 3] / t[r, 2]) for r in self.rollout_ranks if t[r, 2] > 0}}
         if self.roles is not None:
-            self.roles.observe({r: (float(t[r, 4]), float(t[r, 5])) for r in self.learners}, int(t[:, 6].sum()))
+            self.roles.observe({r: (float(t[r, 4]), float(t[r, 5])) for r in self.learners}, int(t[:, 6].sum()),
+                               statistics.median(speed.values()) if speed else math.nan)
             self._switch_roles(version, published)
         if self.rebalancer is not None:
             moves = len(self.rebalancer.moves)
@@ -86,6 +88,7 @@ class RankBalance:
                       **{f"share/rank{r}": v for r, v in plan.shares.items()}})
         if self.roles is not None:
             m.update({"learners": float(len(self.roles.learners)), "role_switches": float(len(self.roles.switches)),
+                      "role_phase_shifts": float(self.roles.phase_shifts), "role_rate": self.roles.last_rate,
                       "learner_wait_share": self.roles.last_share,
                       **{f"role/rank{r}": float(r in self.roles.learners) for r in self.roles.candidates}})
         return m

@@ -366,9 +366,10 @@ class RankLanes:
         """This rank's part of a plan: its share and env groups (sampling lane), where its
         chunks go (sink), and whether it learns in its next update (adaptive roles)."""
         share, active, route = (part.get(self.rank) for part in (plan.shares, plan.active, plan.routes))
-        if self._sampling is not None and (share is not None or active is not None):
-            self._sampling.offer_plan(share, active)
-        if route is not None and isinstance(self.sink, RoutedSink):
+        moved = isinstance(self.sink, RoutedSink) and route is not None and route != self.sink.learner
+        if self._sampling is not None and (share is not None or active is not None or moved):
+            self._sampling.offer_plan(share, active, anchor=moved)
+        if moved:
             self.sink.set_route(route)
         if plan.routes and self.is_learner:
             self.learning = self.rank == 0 or self.rank in plan.routes.values()

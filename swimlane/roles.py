@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -93,9 +94,14 @@ class RolePlanner:
     direction. It remembers the rate (env steps consumed per second) it measured with each
     number of learners, and does not switch back to a number that did worse within
     ``MEMORY_WINDOWS`` windows, so a workload whose bottleneck sits between the two
-    settles instead of switching every window."""
+    settles instead of switching every window. When the workload moves by more than
+    ``SHIFT`` from what it was when the current setting was first measured (the rollout
+    ranks' sampling speed, or the seconds of learning per env step), it has changed phase:
+    the other settings' rates are forgotten. (The rate itself is no sign of that: it is what
+    the setting achieves, and it moves as episodes get shorter while the policy learns.)"""
 
     MEMORY_WINDOWS = 10
+    SHIFT = 0.25
     MIN_UPDATES = 3  # a decision rests on at least this many updates
 
     def __init__(self, candidates: list[int], rollout: list[int], low: float, high: float, window_s: float,
@@ -105,9 +111,12 @@ class RolePlanner:
         self.learners = [0]
         self.switches: list[Switch] = []
         self.rates: dict[int, tuple[float, float]] = {}  # learners -> (env steps consumed/s, when measured)
+        self._entered: tuple[float, ...] | None = None  # the current setting's first measured profile
+        self.phase_shifts = 0  # times the rates were forgotten
         self._since = clock()  # a decision needs a whole window since the start or the last switch
-        self._seen: collections.deque[tuple[float, float, float, int]] = collections.deque()  # time, wait, learn, steps
+        self._seen: collections.deque[tuple[float, ...]] = collections.deque()  # time, wait, learn, steps, speed
         self.last_share = math.nan  # the waiting share at the last update
+        self.last_rate = math.nan  # env steps consumed per second at the last decision
 
     @property
     def samplers(self) -> list[int]:
@@ -117,12 +126,13 @@ class RolePlanner:
     def routes(self) -> dict[int, int]:
         return routes_for(self.learners, self.samplers)
 
-    def observe(self, times: dict[int, tuple[float, float]], consumed: int) -> None:
+    def observe(self, times: dict[int, tuple[float, float]], consumed: int, speed: float = math.nan) -> None:
         """One update: ``times``, each learner rank's seconds waiting for chunks and learning;
-        ``consumed``, env steps all learners learned from in it."""
+        ``consumed``, env steps all learners learned from in it; ``speed``, the rollout ranks'
+        median sampling speed (env steps per second of sampling per env group; NaN: unknown)."""
         now = self.clock()
         wait, learn = max(times.values(), key=lambda t: t[0])  # the learner the others waited for
-        self._seen.append((now, max(wait, 0.0), max(learn, 0.0), consumed))
+        self._seen.append((now, max(wait, 0.0), max(learn, 0.0), consumed, speed))
         while len(self._seen) > self.MIN_UPDATES and self._seen[0][0] < now - self.window_s:
             self._seen.popleft()  # the window, or the last few updates where they are slower
 
@@ -138,6 +148,19 @@ class RolePlanner:
         span = self._seen[-1][0] - self._seen[0][0]
         return sum(s[3] for s in list(self._seen)[1:]) / span if span > 0 else 0.0
 
+    def _profile(self) -> tuple[float, ...]:
+        """What the window says of the workload: the median sampling speed, and the learning
+        seconds per env step consumed."""
+        speeds = [s[4] for s in self._seen if not math.isnan(s[4])]
+        steps = sum(s[3] for s in self._seen)
+        return (statistics.median(speeds) if speeds else math.nan,
+                sum(s[2] for s in self._seen) / steps if steps else math.nan)
+
+    def _shifted(self, profile: tuple[float, ...]) -> bool:
+        """Whether ``profile`` is more than ``SHIFT`` from the one the setting started with."""
+        return any(a > 0 and not math.isnan(a) and not math.isnan(b) and abs(b / a - 1) > self.SHIFT
+                   for a, b in zip(self._entered, profile))
+
     def _worse(self, learners: int, rate: float) -> bool:
         """Whether ``learners`` learners were measured doing worse than ``rate``, lately."""
         got = self.rates.get(learners)
@@ -150,6 +173,14 @@ class RolePlanner:
         if not published or self.clock() - self._since < self.window_s or len(self._seen) < self.MIN_UPDATES:
             return False
         rate, n = self._rate(), len(self.learners)
+        self.last_rate = rate
+        profile = self._profile()
+        if self._entered is None:
+            self._entered = profile
+        elif self._shifted(profile):  # the workload changed: what other settings did is history
+            self.rates.clear()
+            self._entered = profile
+            self.phase_shifts += 1
         self.rates[n] = (rate, self.clock())
         joining = [r for r in self.candidates if r not in self.learners]
         if joining:
@@ -168,6 +199,6 @@ class RolePlanner:
         else:
             return False
         self.switches.append(Switch(version, rank, to, f"{why}; {rate:.0f} env steps/s consumed with {n} learner(s)"))
-        self._since = self.clock()
+        self._since, self._entered = self.clock(), None
         self._seen.clear()  # measured again with the new roles
         return True

@@ -201,3 +201,14 @@ def test_render_cost_shifts_after_phase_after_renders():
     assert time.perf_counter() - t0 >= 0.02
     with pytest.raises(ConfigError, match="phase_after_s"):
         fast(options={"phase_after_s": -1.0})
+    # options.render_wait_ms_after: the wait (no core used) shifts with the phase too.
+    env = fast(n=2, options={"render_wait_ms": 30.0, "phase_after": 2, "render_wait_ms_after": 0.0})
+    env.reset()  # render 1
+    t0 = time.perf_counter()
+    env.step(torch.zeros(2, 2))  # render 2: still waits
+    assert time.perf_counter() - t0 >= 0.03
+    t0 = time.perf_counter()
+    env.step(torch.zeros(2, 2))  # render 3: the second phase
+    assert time.perf_counter() - t0 < 0.02
+    with pytest.raises(ConfigError, match="render_wait_ms_after"):
+        fast(options={"render_wait_ms_after": -1.0})

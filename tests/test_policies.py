@@ -106,6 +106,24 @@ def test_language_changes_the_action_distribution():
     assert not torch.allclose(a, b)
 
 
+def test_tiny_vla_learn_wait_delays_only_the_forward_passes_that_learn():
+    import time
+
+    from dvla.config import ConfigError
+
+    policy = build_policy("tiny_vla", SPEC, {"hidden_dim": 16, "learn_wait_ms": 60.0})
+    obs = make_obs(2)
+    t0 = time.perf_counter()
+    with torch.no_grad():  # acting and proximal log-probs: no wait
+        policy.evaluate(obs, torch.zeros(2, 2, 3))
+    assert time.perf_counter() - t0 < 0.05
+    t0 = time.perf_counter()
+    policy.evaluate(obs, torch.zeros(2, 2, 3)).log_probs.sum().backward()
+    assert time.perf_counter() - t0 >= 0.06
+    with pytest.raises(ConfigError, match="learn_wait_ms"):
+        build_policy("tiny_vla", SPEC, {"learn_wait_ms": -1.0})
+
+
 def test_tokenizer_is_deterministic():
     tok = HashTokenizer(vocab_size=100, max_len=4)
     ids = tok(["Pick up the RED cube!", "pick up the red cube", ""])

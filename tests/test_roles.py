@@ -111,14 +111,16 @@ def _planner(clock, candidates=(1,), rollout=(0, 1, 2)):
     return RolePlanner(list(candidates), list(rollout), low=0.1, high=0.5, window_s=10.0, clock=clock)
 
 
-def _feed(planner, clock, wait: float, learn: float, steps: int, n: int, version: int, published=True):
-    """``n`` updates one second apart; True if one of them switched roles."""
-    switched = False
+def _feed(planner, clock, wait: float, learn: float, steps: int, n: int, version: int, published=True,
+          speed: float = 1000.0):
+    """Up to ``n`` updates one second apart with this profile; True once one of them
+    switched roles (the profile is the old setting's: the caller goes on with the new one's)."""
     for i in range(n):
         clock.t += 1.0
-        planner.observe({0: (wait, learn), 1: (0.0, learn)}, steps)
-        switched |= planner.update(version + i, published)
-    return switched
+        planner.observe({0: (wait, learn), 1: (0.0, learn)}, steps, speed)
+        if planner.update(version + i, published):
+            return True
+    return False
 
 
 def test_the_planner_adds_a_learner_when_learning_is_the_bottleneck_and_goes_back_when_rollouts_are():
@@ -129,7 +131,7 @@ def test_the_planner_adds_a_learner_when_learning_is_the_bottleneck_and_goes_bac
     assert planner.learners == [0, 1] and planner.routes == {0: 0, 2: 1}
     assert planner.switches[-1].to == "learner" and planner.switches[-1].version == 10
     # Between the thresholds nothing moves, however long it lasts.
-    assert not _feed(planner, clock, wait=0.3, learn=0.7, steps=200, n=30, version=11)
+    assert not _feed(planner, clock, wait=0.3, learn=0.7, steps=50, n=30, version=11)
     # The rollouts are the bottleneck, and 2 learners consume less than 1 did: back.
     assert _feed(planner, clock, wait=0.8, learn=0.2, steps=50, n=12, version=41)
     assert planner.learners == [0] and planner.switches[-1].to == "rollout"
@@ -141,12 +143,36 @@ def test_the_planner_adds_a_learner_when_learning_is_the_bottleneck_and_goes_bac
     assert len(planner.switches) == 3
 
 
+def test_the_planner_forgets_what_it_measured_when_the_workload_changes_phase():
+    clock = Clock()
+    planner = _planner(clock)
+    assert _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=12, version=1)  # joins
+    assert _feed(planner, clock, wait=0.8, learn=0.2, steps=50, n=12, version=20)  # 2 learners worse: back
+    assert not _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=20, version=40)  # remembered
+    # A consumed rate that moves (episodes get shorter as the policy learns, and each update
+    # takes as much less time) is no new phase.
+    assert not _feed(planner, clock, wait=0.0, learn=0.6, steps=60, n=20, version=60)
+    # The rollout ranks sample twice as fast (a new phase): the memory goes, and the planner
+    # tries two learners again long before the memory would have expired.
+    assert _feed(planner, clock, wait=0.0, learn=0.6, steps=60, n=12, version=80, speed=2000.0)
+    assert planner.phase_shifts == 1 and planner.learners == [0, 1]
+
+
 def test_the_planner_switches_at_most_once_per_window_only_at_published_versions_and_within_bounds():
     clock = Clock()
     planner = _planner(clock)
     assert not _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=20, version=1, published=False)
     assert _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=20, version=21)
-    assert len(planner.switches) == 1  # one per window, and no candidate is left to join
+    assert not _feed(planner, clock, wait=0.0, learn=1.0, steps=100, n=30, version=41)  # no candidate left
+    assert len(planner.switches) == 1
+    # One switch per window at most: with a window of 10 updates, 30 updates of a profile
+    # that flips each time allow at most three.
+    flip = _planner(clock)
+    for v in range(30):
+        slow_learning = v % 2 == 0
+        _feed(flip, clock, wait=0.0 if slow_learning else 0.9, learn=1.0, steps=100 + v, n=1, version=v)
+    assert len(flip.switches) <= 3
+    assert all(b.version - a.version >= 10 for a, b in zip(flip.switches, flip.switches[1:]))
     lone = _planner(clock, rollout=(0, 1))  # rank 1 is the only other sampler: it must keep sampling
     assert not _feed(lone, clock, wait=0.0, learn=1.0, steps=100, n=30, version=1)
     assert lone.learners == [0]
@@ -226,3 +252,16 @@ def test_a_rank_moves_between_rollout_and_learning_mid_run(tmp_path):
     assert {r["role/rank1"] for r in rows} == {0.0, 1.0} and {r["groups/rank1"] for r in rows} >= {0.0, 2.0}
     report = make_report(run)
     assert "roles.png" in report["plots"] and "roles: " in report["summary"]
+
+
+def test_admission_counts_from_the_newest_weights_after_a_route_change():
+    from swimlane.admission import Admission
+
+    adm = Admission(base=0, chunks_per_update=1, senders=10, max_staleness=2)  # a one-in-ten share
+    adm.start()
+    assert adm.needed() == 8  # its next batch belongs ten versions on
+    adm.anchor(5)  # now alone in feeding another learner, at version 5
+    adm.set_share(1.0, chunks_per_update=1)
+    assert adm.admits(5) and adm.needed() == 3
+    adm.start()
+    assert adm.needed() == 4

@@ -21,7 +21,8 @@ per rendered observation to imitate a slow simulator in benchmarks, and
 ``options.phase_after=N`` switches it to ``options.render_cost_ms_after`` once the env has
 rendered N observations, ``options.phase_after_s=S`` once S seconds have passed since it was
 built (a workload whose phases shift mid-run; in seconds, the shift comes at the same time
-however many env groups share the work). The work (hashing a
+however many env groups share the work), and ``options.render_wait_ms_after`` likewise
+replaces ``render_wait_ms`` in the second phase. The work (hashing a
 buffer) runs in native code with the GIL released, as a C++/CUDA simulator's would, so
 other threads (inference, learning) can overlap with it. ``options.render_wait_ms`` instead
 waits that long per render without using a core: a simulator on another, slower host, so
@@ -52,7 +53,8 @@ COLORS = {
 class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
                "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0,
-               "phase_after": 0, "phase_after_s": 0.0, "render_cost_ms_after": 0.0, "render_wait_ms": 0.0}
+               "phase_after": 0, "phase_after_s": 0.0, "render_cost_ms_after": 0.0, "render_wait_ms": 0.0,
+               "render_wait_ms_after": None}
     WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
@@ -70,8 +72,10 @@ class FastReachEnv(GoalEnv):
         if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(COLORS)):
             raise ConfigError(f"env.options.n_targets: must be an integer in [1, {len(COLORS)}], got {n!r}")
         for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after", "phase_after_s",
-                    "render_wait_ms"):
+                    "render_wait_ms", "render_wait_ms_after"):
             v = opts[key]
+            if v is None and key == "render_wait_ms_after":  # the default: as in the first phase
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
         cap = opts["long_tail_cap"]
@@ -97,6 +101,8 @@ class FastReachEnv(GoalEnv):
         self.success_threshold = float(opts["radius"])
         self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
         self.render_wait_s = float(opts["render_wait_ms"]) / 1000.0
+        after = opts["render_wait_ms_after"]  # None: the wait does not change with the phase
+        self.render_wait_after_s = self.render_wait_s if after is None else float(after) / 1000.0
         self.phase_after, self.render_cost_after_s = int(opts["phase_after"]), float(opts["render_cost_ms_after"]) / 1e3
         self.phase_at = time.perf_counter() + float(opts["phase_after_s"]) if opts["phase_after_s"] else None
         self.renders = 0
@@ -173,8 +179,9 @@ class FastReachEnv(GoalEnv):
             end = time.perf_counter() + cost
             while time.perf_counter() < end:
                 hashlib.sha256(_BURN)  # native, GIL released for buffers over 2 KiB
-        if self.render_wait_s > 0:
-            time.sleep(self.render_wait_s)
+        wait = self.render_wait_after_s if shifted else self.render_wait_s
+        if wait > 0:
+            time.sleep(wait)
         return img.clamp_(0, 255).to(torch.uint8)
 
     def _observe(self) -> Observation:

@@ -9,6 +9,7 @@ head with noisy denoising steps, :mod:`dvla.heads.flow`) and value head.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -52,6 +53,11 @@ class TinyVLA(VLAPolicy):
         init_log_std: float = -0.5
         """Initial log standard deviation of the Gaussian head and of the flow head's noise."""
         value_head: bool = True
+        learn_wait_ms: float = 0.0
+        """Milliseconds each forward pass that records gradients (the learner's) waits
+        without using a core: a larger model learning on an accelerator of its own, so that
+        one CPU machine can stand in for learners with hardware of their own in benchmarks
+        (as ``fast_reach``'s ``render_wait_ms`` does for simulators). 0: none."""
 
         def _validate(self) -> list[tuple[str, str]]:
             errs = []
@@ -64,6 +70,8 @@ class TinyVLA(VLAPolicy):
                 errs.append(("n_bins", f"must be >= 2, got {self.n_bins}"))
             if self.flow_steps < 1:
                 errs.append(("flow_steps", f"must be >= 1, got {self.flow_steps}"))
+            if self.learn_wait_ms < 0:
+                errs.append(("learn_wait_ms", f"must be >= 0, got {self.learn_wait_ms}"))
             return errs
 
     def __init__(self, spec: PolicySpec, config: "TinyVLA.Config"):
@@ -107,6 +115,8 @@ class TinyVLA(VLAPolicy):
         return self.action_head.rollout_extras() if self.config.head == "flow" else {}
 
     def forward(self, obs: Observation) -> PolicyOutput:
+        if self.config.learn_wait_ms and torch.is_grad_enabled():
+            time.sleep(self.config.learn_wait_ms / 1000.0)
         img = obs.image.float() * (1.0 / 255.0) - 0.5
         kp = self.vision(img)
         ids = obs.instruction_ids

@@ -96,7 +96,7 @@ class SamplingLane:
         # rebalancing plans move it)
         self.own_clock = OwnClock(self)  # the groups' steps with independent envs
         self.turns, self.serve = turns or Turns(), serve
-        self.plan: tuple[float | None, int | None] | None = None  # a rebalancing plan's part for this rank, to apply
+        self.plan: tuple[float | None, int | None, bool] | None = None  # a plan's part for this rank, to apply
 
     def stopping(self) -> bool:
         return self.stop.is_set() or self.halt.is_set()
@@ -243,15 +243,18 @@ class SamplingLane:
             self.parked.remove(ready[0])
             self.start(ready[0])
 
-    def offer_plan(self, share: float | None, active: int | None) -> None:
+    def offer_plan(self, share: float | None, active: int | None, anchor: bool = False) -> None:
         """From another thread: a rebalancing plan's share of this rank (admission) and env
         groups that step (0: the rank learns now, :mod:`swimlane.roles`), applied by the
-        lane's own thread before its next unit of work."""
-        self.plan = (share, active)
+        lane's own thread before its next unit of work. ``anchor``: the rank's chunks go to
+        another learner now: admission counts from the newest weights on."""
+        self.plan = (share, active, anchor or bool(self.plan and self.plan[2]))
 
     def _apply_plan(self) -> None:
-        share, active = self.plan
+        share, active, anchor = self.plan
         self.plan = None
+        if anchor:
+            self.admission.anchor(self.weights.latest_version)
         if share is not None:
             self.admission.set_share(share, self.cfg.chunks_per_update)
         if active is not None:
