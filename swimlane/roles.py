@@ -101,7 +101,7 @@ class RolePlanner:
     the setting achieves, and it moves as episodes get shorter while the policy learns.)"""
 
     MEMORY_WINDOWS = 10
-    SHIFT = 0.25
+    SHIFT = 0.5  # a real phase change moves these several-fold; noise and a sampler set changing by one, less
     MIN_UPDATES = 3  # a decision rests on at least this many updates
 
     def __init__(self, candidates: list[int], rollout: list[int], low: float, high: float, window_s: float,
