@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 import torch
 from ranks import spawn_ranks
+from test_balance import Clock
 
 from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig
@@ -84,14 +85,6 @@ def test_a_learner_that_sits_an_update_out_leaves_the_weights_of_a_fixed_role_ru
         assert r["diff"]["unmasked"] > 1e-5, (rank, r["diff"])  # the test can fail
         assert (r["samples"]["adaptive"][1] == 0.0) == (rank == 1), r["samples"]
     assert res[0]["digest"] == res[1]["digest"]  # one state on both learners
-
-
-class Clock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
 
 
 def test_routes_send_a_sampling_learner_to_itself_and_the_rest_to_the_least_loaded():
