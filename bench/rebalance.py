@@ -65,7 +65,17 @@ def run(out: Path, adaptive: bool, args) -> dict[str, float]:
     tail = [r["success_rate"] for r in rows[-max(1, len(rows) // 4):] if r.get("success_rate") is not None]
     return {"sps": s["env_steps_per_s"], "success": sum(tail) / max(len(tail), 1),
             "moves": len(s.get("balance", {}).get("moves", [])), "dropped": s["totals"].get("dropped_stale", 0),
-            "switches": len(s.get("balance", {}).get("roles", {}).get("switches", []))}
+            "switches": len(s.get("balance", {}).get("roles", {}).get("switches", [])),
+            "phases": [rate(rows, 0.0, args.phase_s), rate(rows, args.phase_s, float("inf"))] if roles else None}
+
+
+def rate(rows: list[dict], start: float, end: float) -> float:
+    """Env steps/s consumed between the updates logged in ``[start, end)`` seconds (the
+    metrics' ``time``): one phase of ``--mode roles``."""
+    inside = [r for r in rows if start <= r["time"] < end]
+    if len(inside) < 2 or inside[-1]["time"] <= inside[0]["time"]:
+        return float("nan")
+    return (inside[-1]["env_steps"] - inside[0]["env_steps"]) / (inside[-1]["time"] - inside[0]["time"])
 
 
 def adaptive_overrides(args) -> list[str]:
@@ -107,6 +117,10 @@ def main() -> None:
                   f"adaptive {res[True]['sps']:.0f} (success {res[True]['success']:.2f}, {res[True]['moves']} "
                   f"group moves, {res[True]['switches']} role switches, {res[True]['dropped']} stale chunks "
                   f"dropped): {ratios[-1]:.2f}x", flush=True)
+            if args.mode == "roles":
+                (s1, s2), (a1, a2) = res[False]["phases"], res[True]["phases"]
+                print(f"  by phase: straggler {s1:.0f} / {a1:.0f} ({a1 / s1:.2f}x), learning-bound {s2:.0f} / "
+                      f"{a2:.0f} ({a2 / s2:.2f}x)", flush=True)
 
     def med(mode, key):
         return statistics.median(r[key] for r in got[mode])

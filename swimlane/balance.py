@@ -123,12 +123,13 @@ class Plan:
         """``3 * world_size`` integers for the version header: per rank, share in millionths,
         active groups and route (``NO_PLAN`` where the plan says nothing)."""
         out = [NO_PLAN] * (WORDS_PER_RANK * world_size)
+        n = WORDS_PER_RANK
         for r, s in self.shares.items():
-            out[3 * r] = round(s * SHARE_SCALE)
+            out[n * r] = round(s * SHARE_SCALE)
         for r, a in self.active.items():
-            out[3 * r + 1] = a
+            out[n * r + 1] = a
         for r, learner in self.routes.items():
-            out[3 * r + 2] = learner
+            out[n * r + 2] = learner
         return out
 
     @classmethod
@@ -138,7 +139,7 @@ class Plan:
             raise ValueError(f"a plan has {WORDS_PER_RANK} words per rank, got {len(words)}")
         plan, world = cls(), len(words) // WORDS_PER_RANK
         for r in range(world):
-            share, active, route = words[3 * r : 3 * r + 3]
+            share, active, route = words[WORDS_PER_RANK * r : WORDS_PER_RANK * (r + 1)]
             if share != NO_PLAN:
                 if not 0 < share <= SHARE_SCALE:
                     raise ValueError(f"plan: rank {r}'s share {share} is outside (0, {SHARE_SCALE}]")
@@ -179,12 +180,9 @@ class Rebalancer:
                  clock=time.monotonic):
         self.routes, self.built, self.k, self.window_s, self.clock = dict(routes), built, k, window_s, clock
         self.start_active = active
-        self.plan = Plan(shares=self._equal(), active={r: active for r in routes})
+        self.plan = Plan(shares=equal_shares(self.routes), active={r: active for r in routes})
         self.moves: list[Move] = []
         self._last_move = -math.inf
-
-    def _equal(self) -> dict[int, float]:
-        return equal_shares(self.routes)
 
     def set_routes(self, routes: dict[int, int]) -> None:
         """Ranks moved between rollout and learning (:mod:`swimlane.roles`): ``routes`` are
@@ -193,7 +191,7 @@ class Rebalancer:
         self.routes = dict(routes)
         for r in routes:
             self.plan.active.setdefault(r, self.start_active)
-        self.plan.shares = self._equal()
+        self.plan.shares = equal_shares(self.routes)
 
     def update(self, speed: dict[int, float], version: int) -> Plan:
         """The plan for ``version`` from the ranks' measured speeds (env steps per second

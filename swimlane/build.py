@@ -319,7 +319,8 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
 
         def sink_to(learner: int) -> RemoteChunkSink:
             endpoints = lookup_endpoints(store, key=f"dvla/data/{learner}")
-            same_host = topology.host_of(learner) == topology.host_of(rank)
+            # The placement's transport on its own route; on the others, ipc within a host.
+            same_host = topology.same_host(learner, rank)
             auto = placement.transports[rank] if learner == placement.routes[rank] else "ipc" if same_host else "tcp"
             transport = dp.transport if dp.transport != "auto" else auto  # a forced one wins
             dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": transport})
@@ -358,8 +359,8 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, 
     """The resource manager of an async rank (``swimlane.autotune``), or None. Its knobs:
     the env groups that step (``lane.active``), how long a forward pass waits for more
     groups' requests (``inference.wait_s``, in ms), whether the lanes take turns (``turns``,
-    the rank's :class:`swimlane.lanes.turns.Turns`: ``swimlane.take_turns``), the gradient lane's niceness, torch's intra-op threads and
-    whether the gradient lane's thread and the rollout lanes' threads run on separate halves
+    the rank's :class:`swimlane.lanes.turns.Turns`: ``swimlane.take_turns``), the gradient
+    lane's niceness, torch's intra-op threads and whether the gradient lane's thread and the rollout lanes' threads run on separate halves
     of the rank's CPUs (``split_cpus``), and on a GPU with ``swimlane.cuda_streams``
     whether the inference stream runs at the highest priority (``inference_priority``).
     ``tids()``: the lanes' native thread ids by lane name, of those running."""
