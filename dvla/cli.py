@@ -4,6 +4,7 @@
     dvla report [RUN_DIR] [--out DIR]            plots (success, return, throughput, staleness,
                                                  lanes, Gantt, memory) and a text summary
     dvla trace [RUN_DIR] [--out PNG] [--last S]  lane utilisation and a swimlane Gantt chart
+    dvla eval [RUN_DIR] --suite libero_spatial   success per task over the suite's fixed initial states
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
     dvla plan --params token_vla:size=7b         ... for a registered policy's parameter count
     dvla config-ref [--write README.md]          the configuration reference, from the code
@@ -86,6 +87,7 @@ COMMANDS = {
     "train": "train a policy (same as python -m dvla.launch)",
     "report": "plots and a text summary of a run",
     "trace": "lane utilisation and a Gantt chart of a run",
+    "eval": "success per task of a run's policy on a benchmark suite (LIBERO)",
     "plan": "placement and modelled weight-broadcast cost on a cluster",
     "config-ref": "the configuration reference, generated from the code",
     "bench": "list the benchmarks in bench/, or run one",
@@ -97,7 +99,7 @@ def usage() -> str:
     lines = ["usage: dvla COMMAND [ARGS ...]", "", "commands:"]
     for cmd, what in COMMANDS.items():
         lines.append(f"  dvla {cmd:<11} {what}")
-    lines += ["", "dvla COMMAND --help shows a command's options. report and trace take the newest run under",
+    lines += ["", "dvla COMMAND --help shows a command's options. report, trace and eval take the newest run under",
               "runs/ when no RUN_DIR is given. Quick start:",
               "  dvla train --preset fast_reach      # writes runs/fast_reach/<time>, runs/fast_reach/latest",
               "  dvla report                         # plots and a summary of that run"]
@@ -209,6 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         from dvla.report import main as report
 
         return report(resolved)
+    if cmd == "eval":
+        resolved = resolve_run_argument(cmd, rest, ("--suite", "--tasks", "--episodes", "--n-envs", "--workers",
+                                                    "--seed"))
+        if resolved is None:
+            return 2
+        from dvla.evaluation import main as evaluate
+
+        return evaluate(resolved)
     if cmd == "keys":
         return keys_main(rest)
     if cmd == "config-ref":

@@ -38,7 +38,7 @@ class EnvConfig:
     """Batched environment. ``name`` picks a registered env (see ``dvla.envs.ENV_REGISTRY``)."""
 
     name: str = "fast_reach"
-    """A registered env: ``fast_reach``, ``genesis_reach``, ``genesis_lift``, ``gym``."""
+    """A registered env: ``fast_reach``, ``genesis_reach``, ``genesis_lift``, ``gym``, ``libero``."""
     n_envs: int = 16
     """Parallel environments stepped as one batch (for GRPO: ``n_groups * group_size``)."""
     episode_len: int = 32
@@ -57,7 +57,7 @@ class EnvConfig:
     long_tail_cap, phase_after, phase_after_s, render_cost_ms_after``;
     genesis: ``max_delta,
     substeps_per_action, dt, privileged, vis_mode, action_mode``; gym: ``gym_id, instruction, image_key,
-    make_kwargs``."""
+    make_kwargs``; libero: ``suite, task_ids, wrist_size, init_states, settle_steps, workers``."""
     rank_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Options of single ranks over ``options``, keyed by global rank (``"2": {render_cost_ms:
     12}``): a heterogeneous cluster, or one rank slowed down on purpose (tests, benches)."""

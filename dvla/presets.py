@@ -5,6 +5,9 @@
 * ``genesis_reach`` (the default): Franka Panda reaching in genesis-world, camera RGB; learns
   in about 3 minutes on two CPU cores.
 * ``genesis_lift``: Franka Panda picks up a cube and lifts it.
+* ``libero_spatial``, ``libero_10``: the LIBERO benchmark (extra ``[libero]``), one task
+  (``env.options.task_ids`` picks others), TinyVLA on the agent view; ``libero_spatial_token``:
+  the same with the transformer VLA (``token_vla``) on both cameras.
 """
 
 from __future__ import annotations
@@ -69,11 +72,45 @@ def genesis_lift() -> JobConfig:
     return cfg
 
 
+def libero_spatial(suite: str = "libero_spatial") -> JobConfig:
+    from dvla.envs.libero_env import EVAL_STEPS  # (LIBERO itself is imported on build only)
+
+    chunk = 4  # decisions of 4 actions: the suite's evaluation length in EVAL_STEPS / 4 decisions
+    return JobConfig(
+        # 64 px cameras render at about 2-5 env steps/s per core on a CPU (llvmpipe); raise
+        # env.image_size on a GPU machine. Two worker processes step the 8 envs.
+        env=EnvConfig(name="libero", n_envs=8, episode_len=-(-EVAL_STEPS[suite] // chunk), image_size=64,
+                      options={"suite": suite, "task_ids": [0], "wrist_size": 64, "workers": 2}),
+        policy=PolicyConfig(
+            name="tiny_vla", action_chunk=chunk,
+            options={"hidden_dim": 128, "vision_channels": 16, "embed_dim": 16, "head": "gaussian",
+                     "init_log_std": -1.0},
+        ),
+        algo=AlgoConfig(name="grpo", group_size=4, lr=3e-4, update_epochs=2, minibatches=4),
+        run=RunConfig(iterations=100, out_dir=f"runs/{suite}"),
+    )
+
+
+def libero_10() -> JobConfig:
+    return libero_spatial("libero_10")
+
+
+def libero_spatial_token() -> JobConfig:
+    cfg = libero_spatial()
+    cfg.policy = PolicyConfig(name="token_vla", action_chunk=cfg.policy.action_chunk,
+                              options={"size": "tiny", "decoding": "parallel"})
+    cfg.run.out_dir = "runs/libero_spatial_token"
+    return cfg
+
+
 PRESETS: dict[str, Callable[[], JobConfig]] = {
     "debug": debug,
     "fast_reach": fast_reach,
     "genesis_reach": genesis_reach,
     "genesis_lift": genesis_lift,
+    "libero_spatial": libero_spatial,
+    "libero_10": libero_10,
+    "libero_spatial_token": libero_spatial_token,
 }
 DEFAULT_PRESET = "genesis_reach"
 

@@ -192,12 +192,14 @@ def collect_episodes(
     group_offset: int = 0,
     generator: torch.Generator | None = None,
     times: RolloutTimes | None = None,
+    deterministic: bool = False,
 ) -> RolloutBatch:
     """Reset ``env`` and run every env for at most ``episode_len`` decisions.
 
     Episodes that end early are masked (``valid``) for the rest of the batch; the
     collection stops as soon as all have ended. ``group_offset`` makes group ids
-    unique across batches and ranks.
+    unique across batches and ranks. ``deterministic``: the policy's most likely actions
+    rather than samples (evaluations).
     """
     times = times if times is not None else RolloutTimes()
     policy.eval()
@@ -210,7 +212,7 @@ def collect_episodes(
     rec.start(obs)
     while not rec.finished:
         t0 = time.perf_counter()
-        out = policy.act(obs, generator=generator)
+        out = policy.act(obs, deterministic, generator)
         t1 = time.perf_counter()
         res = env.step(out.actions)
         t2 = time.perf_counter()

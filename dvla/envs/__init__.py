@@ -5,6 +5,7 @@
 * ``fast_reach``: pure-torch planar reaching with rendered images (tests, benchmarks).
 * ``genesis_reach``, ``genesis_lift``: Franka Panda tasks in genesis-world.
 * ``gym``: any ``gymnasium`` env id, vectorised (``options.gym_id``).
+* ``libero``: the LIBERO benchmark's suites (extra ``[libero]``; ``options.suite``, ``options.task_ids``).
 
 Add an env with ``register_env("name")`` on a factory ``(cfg, device, seed) -> BatchedEnv``;
 ``register_env("name", spec=fn)`` also tells :func:`env_spec` the env's spec without building
@@ -128,6 +129,26 @@ def _gym(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
     from dvla.envs.gym_adapter import GymVectorEnv
 
     return GymVectorEnv(cfg, device, seed)
+
+
+def _libero_spec(cfg: EnvConfig) -> EnvSpec:
+    from dvla.envs.libero_env import LiberoEnv  # LIBERO itself is imported on build only
+
+    return LiberoEnv.spec_for(cfg)
+
+
+def _libero_check(cfg: EnvConfig) -> None:
+    from dvla.envs.libero_env import LiberoEnv
+
+    check_option_keys(cfg, LiberoEnv.OPTIONS)
+    LiberoEnv.check_config(cfg)
+
+
+@register_env("libero", spec=_libero_spec, check=_libero_check)
+def _libero(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
+    from dvla.envs.libero_env import LiberoEnv
+
+    return LiberoEnv(cfg, device, seed)
 
 
 def make_env(cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0) -> BatchedEnv:

