@@ -1,0 +1,110 @@
+"""LIBERO stepping cost: dvla's ``libero`` env against LIBERO's own env and raw MuJoCo.
+
+Four ways to take the same number of env steps on one LIBERO task (``--suite``, ``--task``),
+``--n-envs`` envs, random 7-D actions:
+
+* ``mujoco``: raw physics, ``mj_step`` on each env's model for one control period (as many
+  substeps as robosuite takes per action), no controller, no observation, no rendering;
+* ``libero``: LIBERO's ``OffScreenRenderEnv.step`` (``ControlEnv`` with ``--no-render``) on
+  each env in turn, in this process: robosuite's controller, observables and cameras;
+* ``dvla``: :class:`dvla.envs.libero_env.LiberoEnv` with ``workers=0`` (the same envs in this
+  process, plus dvla's batching, observation assembly and done bookkeeping);
+* ``dvla_workers``: the same with ``--workers`` spawned MuJoCo processes.
+
+Settings alternate (the order rotates per repeat); printed: env steps/s per setting and its
+ratio to ``libero`` and to ``mujoco`` (medians over repeats).
+
+    python bench/libero_env.py --repeats 3 --steps 60
+    python bench/libero_env.py --render --image-size 64 --wrist-size 64 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from dvla.config import EnvConfig
+from dvla.envs import make_env
+from dvla.envs.libero_env import LiberoHost
+
+
+def raw_rate(host: LiberoHost, steps: int, physics_only: bool, rng: np.random.Generator) -> float:
+    """env steps/s of LIBERO's own envs (``physics_only``: their MuJoCo models, mj_step only)."""
+    import mujoco
+
+    host.reset([(j, 0) for j in range(len(host.envs))])
+    envs = [e.env for e in host.envs]  # the robosuite envs
+    substeps = int(round(envs[0].control_timestep / envs[0].model_timestep))
+    actions = rng.uniform(-1, 1, (steps, len(envs), 7))
+    t0 = time.perf_counter()
+    for s in range(steps):
+        for j, env in enumerate(envs):
+            if physics_only:
+                m, d = env.sim.model._model, env.sim.data._data
+                for _ in range(substeps):
+                    mujoco.mj_step(m, d)
+            else:
+                host.envs[j].step(actions[s, j])
+    return steps * len(envs) / (time.perf_counter() - t0)
+
+
+def dvla_rate(env, steps: int, rng: np.random.Generator) -> float:
+    env.reset()
+    actions = torch.from_numpy(rng.uniform(-1, 1, (steps, env.n_envs, 1, 7))).float()
+    t0 = time.perf_counter()
+    for s in range(steps):
+        env.step(actions[s])
+    return steps * env.n_envs / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--suite", default="libero_spatial")
+    p.add_argument("--task", type=int, default=0)
+    p.add_argument("--n-envs", type=int, default=4)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=60, help="env steps per env and setting")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--render", action="store_true", help="cameras on (agentview, and the wrist with --wrist-size)")
+    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--wrist-size", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    opts = {"suite": args.suite, "task_ids": [args.task], "wrist_size": args.wrist_size, "settle_steps": 0}
+    cfg = EnvConfig(name="libero", n_envs=args.n_envs, episode_len=10 ** 6, image_size=args.image_size,
+                    render=args.render, options=opts)
+    envs = {"dvla": make_env(cfg),
+            "dvla_workers": make_env(dataclasses.replace(cfg, options={**opts, "workers": args.workers}))}
+    host = envs["dvla"].hosts[0].host  # LIBERO's own envs, driven directly for the baselines
+    names = ["mujoco", "libero", "dvla", "dvla_workers"]
+    got: dict[str, list[float]] = {n: [] for n in names}
+    rng = np.random.default_rng(0)
+    try:
+        for n in names:  # warm-up: numba kernels, first renders
+            dvla_rate(envs[n], 3, rng) if n.startswith("dvla") else raw_rate(host, 3, n == "mujoco", rng)
+        for i in range(args.repeats):
+            order = names[i % len(names):] + names[:i % len(names)]
+            for n in order:
+                rate = (dvla_rate(envs[n], args.steps, rng) if n.startswith("dvla")
+                        else raw_rate(host, args.steps, n == "mujoco", rng))
+                got[n].append(rate)
+            print(f"repeat {i}: " + ", ".join(f"{n} {got[n][-1]:.1f}" for n in names) + " env steps/s", flush=True)
+    finally:
+        for env in envs.values():
+            env.close()
+    med = {n: statistics.median(v) for n, v in got.items()}
+    what = f"{args.image_size} px" + (f" + wrist {args.wrist_size} px" if args.wrist_size else "") \
+        if args.render else "physics only"
+    print(f"median ({args.suite} task {args.task}, {args.n_envs} envs, {what}): "
+          + ", ".join(f"{n} {med[n]:.1f}" for n in names) + " env steps/s; vs libero "
+          + ", ".join(f"{n} {med[n] / med['libero']:.2f}x" for n in names if n != "libero")
+          + "; vs raw mujoco " + ", ".join(f"{n} {med[n] / med['mujoco']:.3f}x" for n in names if n != "mujoco"))
+
+
+if __name__ == "__main__":
+    main()
