@@ -25,7 +25,9 @@ its orientation as an axis-angle and the two gripper finger positions (8 values)
 are LIBERO's 7-D deltas in [-1, 1] (position, rotation, gripper: -1 open, +1 close), passed
 through unchanged. An episode succeeds (``success_reward``, terminated) when the task's BDDL
 goal predicates hold. ``env.render=false`` builds physics-only envs with all-zero images.
-Rendering uses EGL (``MUJOCO_GL=egl``): a GPU's where there is one, Mesa's llvmpipe on a CPU.
+Rendering uses EGL (``MUJOCO_GL=egl``): on a CUDA device the envs render on that GPU
+(robosuite's ``render_gpu_device_id``; not yet run on a GPU machine), on a CPU through
+Mesa's llvmpipe.
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class LiberoHost:
     Every method returns plain numpy arrays, one row per env it holds."""
 
     def __init__(self, suite: str, task_ids: list[int], image_size: int, wrist_size: int, render: bool,
-                 settle_steps: int, seed: int):
+                 settle_steps: int, seed: int, render_gpu: int = -1):
         _, _, ControlEnv, OffScreenRenderEnv = _import_libero()
         self.tasks = LiberoTasks(suite)
         self.task_ids = task_ids
@@ -144,7 +146,8 @@ class LiberoHost:
                 names, sizes = ["agentview"], [image_size]
                 if wrist_size:
                     names, sizes = [*names, "robot0_eye_in_hand"], [*sizes, wrist_size]
-                env = OffScreenRenderEnv(camera_names=names, camera_heights=sizes, camera_widths=sizes, **kw)
+                env = OffScreenRenderEnv(camera_names=names, camera_heights=sizes, camera_widths=sizes,
+                                         render_gpu_device_id=render_gpu, **kw)
             else:
                 env = ControlEnv(has_renderer=False, has_offscreen_renderer=False, use_camera_obs=False, **kw)
             env.seed((seed + i) % 2**32)
@@ -341,8 +344,10 @@ class LiberoEnv(BatchedEnv):
         n_hosts = max(1, opts["workers"])
         bounds = [i * self.n_envs // n_hosts for i in range(n_hosts + 1)]
         self._slices = [(bounds[h], bounds[h + 1]) for h in range(n_hosts)]
+        # On a GPU the envs render on the rank's own device (EGL picks the first one otherwise).
+        gpu = (self.device.index or 0) if self.device.type == "cuda" else -1
         common = dict(suite=opts["suite"], image_size=cfg.image_size, wrist_size=opts["wrist_size"],
-                      render=cfg.render, settle_steps=opts["settle_steps"])
+                      render=cfg.render, settle_steps=opts["settle_steps"], render_gpu=gpu)
         host_cls = _Remote if opts["workers"] else _Local
         self.hosts = []
         try:
