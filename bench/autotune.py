@@ -6,8 +6,10 @@ Workloads:
 * ``phase`` (default, synthetic): ``fast_reach`` whose render cost shifts mid-run, from
   ``--cost-before`` to ``--cost-after`` ms per rendered observation, ``--phase-after-s``
   seconds after the envs were built (in seconds, not renders: counted per env group,
-  renders would shift later the more groups a configuration has). The best static point
-  of one phase need not be the best of the other.
+  renders would shift later the more groups a configuration has). ``--python-before`` and
+  ``--python-after`` add work that holds the GIL (a simulator written in Python), which the
+  other lanes' threads cannot overlap. The best static point of one phase need not be the
+  best of the other.
 * ``genesis``: the default job (``genesis_reach``), shortened to ``--iterations`` updates:
   the real simulator, minutes per run.
 
@@ -54,7 +56,9 @@ def run(args, out: Path, overrides: list[str]) -> float:
         base = fast_reach()
         common = [f"run.iterations={args.iterations}", "env.image_size=16", "env.n_envs=32",
                   f"env.options.render_cost_ms={args.cost_before}", f"env.options.phase_after_s={args.phase_after_s}",
-                  f"env.options.render_cost_ms_after={args.cost_after}", "run.torch_threads=1"]
+                  f"env.options.render_cost_ms_after={args.cost_after}", "run.torch_threads=1",
+                  f"env.options.render_python_ms={args.python_before}",
+                  f"env.options.render_python_ms_after={args.python_after}"]
     cfg = apply_overrides(base, [*common, "run.progress=false", f"run.out_dir={out}", "run.save_every=0",
                                  *overrides, *args.set])
     s = Swimlane(cfg).run()
@@ -68,6 +72,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--cost-before", type=float, default=0.0)
     p.add_argument("--cost-after", type=float, default=8.0)
+    p.add_argument("--python-before", type=float, default=0.0,
+                   help="ms per render spent in Python holding the GIL, before the shift")
+    p.add_argument("--python-after", type=float, default=0.0, help="... after the shift")
     p.add_argument("--phase-after-s", type=float, default=4.0)
     p.add_argument("--window-s", type=float, default=1.0)
     p.add_argument("--set", nargs="*", default=[], help="further overrides KEY=VALUE for every run")

@@ -212,3 +212,14 @@ def test_render_cost_shifts_after_phase_after_renders():
     assert time.perf_counter() - t0 < 0.02
     with pytest.raises(ConfigError, match="render_wait_ms_after"):
         fast(options={"render_wait_ms_after": -1.0})
+    # options.render_python_ms(_after): work in Python (the GIL held), shifting likewise.
+    env = fast(n=2, options={"render_python_ms": 30.0, "phase_after": 2, "render_python_ms_after": 0.0})
+    env.reset()
+    t0 = time.perf_counter()
+    env.step(torch.zeros(2, 2))
+    assert time.perf_counter() - t0 >= 0.03
+    t0 = time.perf_counter()
+    env.step(torch.zeros(2, 2))
+    assert time.perf_counter() - t0 < 0.02
+    with pytest.raises(ConfigError, match="render_python_ms"):
+        fast(options={"render_python_ms": -1.0})

@@ -27,6 +27,9 @@ buffer) runs in native code with the GIL released, as a C++/CUDA simulator's wou
 other threads (inference, learning) can overlap with it. ``options.render_wait_ms`` instead
 waits that long per render without using a core: a simulator on another, slower host, so
 that one machine can stand in for a cluster whose ranks differ in speed.
+``options.render_python_ms`` (and ``render_python_ms_after`` for the second phase) spends
+that long per render in pure Python, holding the GIL, as a simulator written in Python does:
+then the other lanes' threads cannot run beside it.
 """
 
 from __future__ import annotations
@@ -50,11 +53,19 @@ COLORS = {
 }
 
 
+def _hold_gil(seconds: float) -> None:
+    """Busy for ``seconds`` in pure Python, holding the GIL (a Python simulator's step)."""
+    end, x = time.perf_counter() + seconds, 0
+    while time.perf_counter() < end:
+        for i in range(100):
+            x += i
+
+
 class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
                "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0,
                "phase_after": 0, "phase_after_s": 0.0, "render_cost_ms_after": 0.0, "render_wait_ms": 0.0,
-               "render_wait_ms_after": None}
+               "render_wait_ms_after": None, "render_python_ms": 0.0, "render_python_ms_after": None}
     WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
@@ -72,9 +83,9 @@ class FastReachEnv(GoalEnv):
         if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(COLORS)):
             raise ConfigError(f"env.options.n_targets: must be an integer in [1, {len(COLORS)}], got {n!r}")
         for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after", "phase_after_s",
-                    "render_wait_ms", "render_wait_ms_after"):
+                    "render_wait_ms", "render_wait_ms_after", "render_python_ms", "render_python_ms_after"):
             v = opts[key]
-            if v is None and key == "render_wait_ms_after":  # the default: as in the first phase
+            if v is None and key in ("render_wait_ms_after", "render_python_ms_after"):  # as in the first phase
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
@@ -103,6 +114,9 @@ class FastReachEnv(GoalEnv):
         self.render_wait_s = float(opts["render_wait_ms"]) / 1000.0
         after = opts["render_wait_ms_after"]  # None: the wait does not change with the phase
         self.render_wait_after_s = self.render_wait_s if after is None else float(after) / 1000.0
+        self.render_python_s = float(opts["render_python_ms"]) / 1000.0
+        after = opts["render_python_ms_after"]
+        self.render_python_after_s = self.render_python_s if after is None else float(after) / 1000.0
         self.phase_after, self.render_cost_after_s = int(opts["phase_after"]), float(opts["render_cost_ms_after"]) / 1e3
         self.phase_at = time.perf_counter() + float(opts["phase_after_s"]) if opts["phase_after_s"] else None
         self.renders = 0
@@ -182,6 +196,9 @@ class FastReachEnv(GoalEnv):
         wait = self.render_wait_after_s if shifted else self.render_wait_s
         if wait > 0:
             time.sleep(wait)
+        held = self.render_python_after_s if shifted else self.render_python_s
+        if held > 0:
+            _hold_gil(held)
         return img.clamp_(0, 255).to(torch.uint8)
 
     def _observe(self) -> Observation:
