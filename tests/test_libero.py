@@ -146,6 +146,25 @@ def test_worker_processes_step_like_this_process():
     assert torch.equal(runs[0][0], runs[1][0])
 
 
+def test_every_suite_has_its_tasks_and_fixed_states():
+    """The four suites the presets and ``dvla eval`` name: ten tasks each, with instructions
+    and 50 fixed initial states; a libero_10 (long-horizon) task builds and steps."""
+    from dvla.envs.libero_env import SUITES, LiberoTasks
+
+    for suite in SUITES:
+        tasks = LiberoTasks(suite)
+        assert tasks.n_tasks == 10, suite
+        assert all(tasks.language(t) for t in range(10))
+        assert tasks.init_states(9).shape[0] == 50
+    env = make_env(libero_cfg(1, suite="libero_10", task_ids=[3]))
+    try:
+        env.reset()
+        res = env.step(torch.zeros(1, 1, 7))
+        assert res.obs.instruction == [LiberoTasks("libero_10").language(3)] and torch.isfinite(res.obs.proprio).all()
+    finally:
+        env.close()
+
+
 def test_bad_options_are_one_line_errors():
     def check(**kw):  # without building an env, as the launcher checks a config
         check_env_config(libero_cfg(4, **kw))

@@ -17,6 +17,7 @@ launcher calls it, also for ``--print-config``).
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 import torch
@@ -62,18 +63,6 @@ def check_env_config(cfg: EnvConfig) -> None:
         ENV_CHECKS[cfg.name](cfg)
 
 
-def _fast_spec(cfg: EnvConfig) -> EnvSpec:
-    from dvla.envs.fast import FastReachEnv
-
-    return FastReachEnv.spec_for(cfg)
-
-
-def _genesis_spec(cfg: EnvConfig) -> EnvSpec:
-    from dvla.envs.genesis_env import GenesisFrankaEnv  # genesis itself is imported on build only
-
-    return GenesisFrankaEnv.spec_for(cfg)
-
-
 def check_option_keys(cfg: EnvConfig, allowed) -> None:
     """A ConfigError naming the first key of ``cfg.options`` not in ``allowed`` (and the allowed ones)."""
     for key in cfg.options:
@@ -82,73 +71,31 @@ def check_option_keys(cfg: EnvConfig, allowed) -> None:
                               f"{', '.join(sorted(allowed))}")
 
 
-def _fast_check(cfg: EnvConfig) -> None:
-    from dvla.envs.fast import FastReachEnv
+def register_builtin(name: str, module: str, cls: str) -> None:
+    """Register the env class ``module.cls`` under ``name``, imported only when used (the
+    simulators behind genesis and LIBERO are heavy, and optional): its factory, its
+    ``spec_for`` (None: build one to find out) and its checks (``OPTIONS`` keys, then
+    ``check_config``)."""
 
-    check_option_keys(cfg, FastReachEnv.OPTIONS)
-    FastReachEnv.check_config(cfg)
+    def env_class():
+        return getattr(importlib.import_module(module), cls)
 
+    def check(cfg: EnvConfig) -> None:
+        klass = env_class()
+        check_option_keys(cfg, klass.OPTIONS)
+        klass.check_config(cfg)
 
-def _genesis_check(cfg: EnvConfig) -> None:
-    from dvla.envs.genesis_env import GenesisFrankaEnv
+    def factory(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
+        return env_class()(cfg, device, seed)
 
-    check_option_keys(cfg, GenesisFrankaEnv.OPTIONS)
-    GenesisFrankaEnv.check_config(cfg)
-
-
-def _gym_check(cfg: EnvConfig) -> None:
-    from dvla.envs.gym_adapter import GymVectorEnv
-
-    check_option_keys(cfg, GymVectorEnv.OPTIONS)
-    GymVectorEnv.check_config(cfg)
-
-
-@register_env("fast_reach", spec=_fast_spec, check=_fast_check)
-def _fast_reach(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
-    from dvla.envs.fast import FastReachEnv
-
-    return FastReachEnv(cfg, device, seed)
+    register_env(name, spec=lambda cfg: env_class().spec_for(cfg), check=check)(factory)
 
 
-@register_env("genesis_reach", spec=_genesis_spec, check=_genesis_check)
-def _genesis_reach(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
-    from dvla.envs.genesis_env import GenesisReachEnv
-
-    return GenesisReachEnv(cfg, device, seed)
-
-
-@register_env("genesis_lift", spec=_genesis_spec, check=_genesis_check)
-def _genesis_lift(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
-    from dvla.envs.genesis_env import GenesisLiftEnv
-
-    return GenesisLiftEnv(cfg, device, seed)
-
-
-@register_env("gym", check=_gym_check)
-def _gym(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
-    from dvla.envs.gym_adapter import GymVectorEnv
-
-    return GymVectorEnv(cfg, device, seed)
-
-
-def _libero_spec(cfg: EnvConfig) -> EnvSpec:
-    from dvla.envs.libero_env import LiberoEnv  # LIBERO itself is imported on build only
-
-    return LiberoEnv.spec_for(cfg)
-
-
-def _libero_check(cfg: EnvConfig) -> None:
-    from dvla.envs.libero_env import LiberoEnv
-
-    check_option_keys(cfg, LiberoEnv.OPTIONS)
-    LiberoEnv.check_config(cfg)
-
-
-@register_env("libero", spec=_libero_spec, check=_libero_check)
-def _libero(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
-    from dvla.envs.libero_env import LiberoEnv
-
-    return LiberoEnv(cfg, device, seed)
+register_builtin("fast_reach", "dvla.envs.fast", "FastReachEnv")
+register_builtin("genesis_reach", "dvla.envs.genesis_env", "GenesisReachEnv")
+register_builtin("genesis_lift", "dvla.envs.genesis_env", "GenesisLiftEnv")
+register_builtin("gym", "dvla.envs.gym_adapter", "GymVectorEnv")
+register_builtin("libero", "dvla.envs.libero_env", "LiberoEnv")
 
 
 def make_env(cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0) -> BatchedEnv:
