@@ -205,3 +205,25 @@ def test_a_training_update_then_dvla_eval(tmp_path, capsys):
     assert "task 1: " in capsys.readouterr().out
     assert cli(["eval", str(tmp_path / "run"), "--suite", "libero_spatial", "--tasks", "10"]) == 2
     assert "--tasks: [10] not in libero_spatial" in capsys.readouterr().err
+
+
+def test_the_transformer_vla_preset_reads_both_cameras(tmp_path):
+    """``libero_spatial_token``: the token VLA takes an update on rendered agent-view and
+    wrist images, both recorded in its trajectories."""
+    from dvla import presets
+    from swimlane import Swimlane
+
+    cfg = presets.libero_spatial_token()
+    cfg.env = dataclasses.replace(cfg.env, n_envs=2, episode_len=2, image_size=32,
+                                  options={**cfg.env.options, "workers": 0, "wrist_size": 16, "settle_steps": 1})
+    cfg.algo.group_size = 2
+    cfg.run = dataclasses.replace(cfg.run, iterations=1, out_dir=str(tmp_path / "tok"), progress=False, save_every=0)
+    cfg.swimlane.mode = "sync"
+    summary = Swimlane(cfg).run()
+    assert summary["error"] is None and summary["version"] == 1
+    assert summary["chunks_consumed"] == summary["chunks_sent"] >= 1 and summary["rejected_shape"] == 0
+    from dvla.policy import PolicySpec, build_policy
+
+    policy = build_policy(cfg.policy.name, PolicySpec.for_env(env_spec(cfg.env), cfg.policy.action_chunk),
+                          cfg.policy.options)
+    assert list(policy.cameras_used) == ["wrist"]  # besides the main (agent-view) image
