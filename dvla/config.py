@@ -362,6 +362,10 @@ class SwimlaneConfig:
     genesis fixes its CPU threads when it starts.
     Its decisions are logged and go into the metrics (``autotune_*``). False: the static
     config."""
+    autotune_start_groups: int = 0
+    """Autotune: the env groups that step at the start (0: all ``env_groups``). The others
+    are built and wait as spares, so that the manager can raise the count as well as lower
+    it, up to ``env_groups``."""
     autotune_window_s: float = 2.0
     """Seconds per autotune measuring window, at least: a window also spans at least 4
     chunks sent (a rate over fewer is too noisy to judge a move by), and the first one,
@@ -428,6 +432,11 @@ class SwimlaneConfig:
                                        "driver take turns already)"))
         if self.autotune_window_s <= 0:
             errs.append(("autotune_window_s", f"must be > 0, got {self.autotune_window_s}"))
+        if not 0 <= self.autotune_start_groups <= self.env_groups:
+            errs.append(("autotune_start_groups", f"must be in [0, env_groups={self.env_groups}], got "
+                                                  f"{self.autotune_start_groups}"))
+        elif self.autotune_start_groups and not self.autotune:
+            errs.append(("autotune_start_groups", "needs swimlane.autotune=true (spare groups would never step)"))
         if self.straggler_factor <= 1:
             errs.append(("straggler_factor", f"must be > 1, got {self.straggler_factor}"))
         if self.balance_window_s <= 0:

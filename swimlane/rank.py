@@ -237,7 +237,7 @@ class RankLanes:
                 rank=self.rank, rollout_index=self.rollout_ranks.index(self.rank),
                 rollout_ranks=len(self.rollout_ranks), extras=self.policy.rollout_extras(),
                 cameras=cameras_of(self.policy), independent=self.sl.independent_envs, segment_len=self.sl.segment_len,
-                active=self.sl.env_groups, reissue=self.sl.reissue, throttle_s=_THROTTLE_S,
+                active=self.sl.autotune_start_groups or self.sl.env_groups, reissue=self.sl.reissue, throttle_s=_THROTTLE_S,
                 poll_s=_POLL_S),
         )
 

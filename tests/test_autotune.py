@@ -116,9 +116,9 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
 
     lanes = Swimlane(apply_overrides(fast_reach(), [
         "swimlane.autotune=true", "swimlane.autotune_window_s=0.2", "swimlane.env_groups=3",
-        "env.options.render_cost_ms=2", "run.iterations=40", "env.image_size=16", "env.n_envs=32",
+        "swimlane.autotune_start_groups=1", "env.options.render_cost_ms=2", "run.iterations=40", "env.image_size=16", "env.n_envs=32",
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
-    lanes.run()
+    summary = lanes.run()
     decisions = lanes.tuner.controller.decisions
     assert decisions and all(d.knob in ("env_groups", "gradient_nice", "inference_wait_ms", "take_turns",
                                         "torch_threads", "split_cpus") for d in decisions)
@@ -128,6 +128,11 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
                          and r["autotune_take_turns"] in (0.0, 1.0) for r in tuned)
     assert lanes.turns.on == bool(lanes.tuner.controller.values["take_turns"])  # the knob is the switch
     assert tuned[-1]["autotune_decisions"] >= 1
+    # autotune_start_groups=1: one group steps until a decision raises the count (spares wait)
+    assert all(r["autotune_env_groups"] == 1 for r in tuned if r["autotune_decisions"] == 0)
+    raised = max(r["autotune_env_groups"] for r in tuned)
+    stepped = {int(g.split("/")[1]) for g, v in summary["balance"]["by_group"].items() if v["chunks"]}
+    assert 0 in stepped and max(stepped) < raised
     from dvla.report import make_report
 
     result = make_report(tmp_path / "run")
@@ -143,6 +148,10 @@ def test_autotune_is_for_async_threads():
     with pytest.raises(ConfigError, match="take_turns"):
         apply_overrides(fast_reach(), ["swimlane.take_turns=true", "swimlane.driver=serial",
                                        "swimlane.mode=sync"]).validate()
+    with pytest.raises(ConfigError, match="autotune_start_groups.*needs swimlane.autotune"):
+        apply_overrides(fast_reach(), ["swimlane.autotune_start_groups=1"]).validate()
+    with pytest.raises(ConfigError, match=r"autotune_start_groups: must be in \[0, env_groups=2\]"):
+        apply_overrides(fast_reach(), ["swimlane.autotune=true", "swimlane.autotune_start_groups=3"]).validate()
 
 
 def test_a_run_taking_turns_learns_and_accounts_for_every_chunk(tmp_path):
