@@ -124,7 +124,8 @@ def test_groups_start_alike_and_restart_alone():
 
 def test_worker_processes_step_like_this_process():
     """The same envs spread over two spawned workers give the very same trajectory as in
-    this process; a worker that dies is a one-line error, not a hang."""
+    this process; a worker that dies is a one-line error, not a hang, and the next reset
+    starts a new one in its place."""
     cfg = libero_cfg(2, task_ids=[0, 1])
     torch.manual_seed(0)
     actions = [torch.rand(2, 2, 7) * 2 - 1 for _ in range(3)]
@@ -140,6 +141,10 @@ def test_worker_processes_step_like_this_process():
                 env.hosts[1].proc.join(10)
                 with pytest.raises(RuntimeError, match="libero worker .* died during step"):
                     env.step(actions[0])
+                dead = env.hosts[1].proc.pid
+                again = env.reset(1)  # as the sampling lane does after an env error
+                assert env.hosts[1].proc.pid != dead and env.hosts[1].alive
+                assert again.instruction == obs.instruction and torch.isfinite(env.step(actions[0]).obs.proprio).all()
         finally:
             env.close()
     assert runs[0][1] == runs[1][1] and runs[0][1][0] != runs[0][1][1]  # two tasks, two instructions

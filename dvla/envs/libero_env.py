@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import logging
 import multiprocessing as mp
 import os
 import sys
@@ -51,6 +52,7 @@ SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
 EVAL_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "libero_10": 520}
 """Actions per episode in the usual LIBERO evaluation (the longest demonstration, rounded up)."""
 PROPRIO_DIM, ACTION_DIM = 8, 7
+log = logging.getLogger("dvla.envs.libero")
 WORKER_TIMEOUT_S = 600.0  # a build compiles numba kernels and sets up EGL: slow on a CPU
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 
@@ -231,6 +233,7 @@ class _Remote:
     """A :class:`LiberoHost` in a spawned process, called without waiting (``send``, then ``result``)."""
 
     def __init__(self, kwargs: dict):
+        self.kwargs = kwargs
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True, name="dvla-libero")
@@ -263,6 +266,10 @@ class _Remote:
             raise RuntimeError(f"libero worker: {what} failed: {value}")
         return value
 
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
     def close(self) -> None:
         if self.proc.is_alive():
             try:
@@ -278,6 +285,8 @@ class _Remote:
 
 class _Local:
     """A :class:`LiberoHost` in this process, with :class:`_Remote`'s calling convention."""
+
+    alive = True
 
     def __init__(self, kwargs: dict):
         self.host = LiberoHost(**kwargs)
@@ -362,17 +371,27 @@ class LiberoEnv(BatchedEnv):
         self._last: list[dict] = [{} for _ in self.hosts]
 
     # -- the hosts ---------------------------------------------------------------------------
-    def _call(self, method: str, per_host: list[tuple]) -> list[dict]:
-        """``method`` on every host with its own arguments, all under way before any answer is read."""
-        for h, args in zip(self.hosts, per_host):
-            if args is not None:
-                h.send(method, *args)
-        out = []
+    def _call(self, method: str, per_host: list[tuple | None]) -> list[dict]:
+        """``method`` on every host with its own arguments (None: not that host), all under way
+        before any answer is read. Every answer sent for is read, even after a host failed,
+        so that no answer is left behind to be taken for the next call's; then the first
+        failure is raised."""
+        sent, error = [], None
         for i, (h, args) in enumerate(zip(self.hosts, per_host)):
             if args is not None:
-                self._last[i] = h.result(method)
-            out.append(self._last[i])
-        return out
+                try:
+                    h.send(method, *args)
+                    sent.append(i)
+                except RuntimeError as exc:
+                    error = error or exc
+        for i in sent:
+            try:
+                self._last[i] = self.hosts[i].result(method)
+            except RuntimeError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        return list(self._last)
 
     def _start_states(self, envs: list[int], group_size: int) -> dict[int, int]:
         """The initial state of each env in ``envs`` (whole blocks of ``group_size``, one state a block)."""
@@ -399,8 +418,20 @@ class LiberoEnv(BatchedEnv):
             per_host.append((items,) if items else None)
         self._call("reset", per_host)
 
+    def _revive(self) -> None:
+        """Start a new worker in place of each one that died (a MuJoCo or EGL crash): its envs
+        start anew with this reset, and the run goes on (the swimlane resets a group after
+        an env error, within ``swimlane.max_env_failures``)."""
+        for i, h in enumerate(self.hosts):
+            if not h.alive:
+                log.warning("libero worker %d (pid %s) died (exit code %s); starting a new one", i, h.proc.pid,
+                            h.proc.exitcode)
+                h.close()
+                self.hosts[i] = _Remote(h.kwargs)
+
     # -- BatchedEnv hooks ----------------------------------------------------------------------
     def _reset(self, group_size: int) -> None:
+        self._revive()
         self._reset_indices(list(range(self.n_envs)), group_size)
 
     def _reset_envs(self, envs: Tensor, group_size: int) -> None:
