@@ -47,16 +47,22 @@ def evaluate_libero(cfg: JobConfig, policy, suite: str, tasks: list[int] | None 
                     log=print) -> dict:
     """Success per task of ``suite`` over its first ``episodes`` fixed initial states."""
     from dvla.envs import make_env
-    from dvla.envs.libero_env import EVAL_STEPS, LiberoTasks
+    from dvla.envs.libero_env import EVAL_STEPS, SUITES, LiberoTasks
     from dvla.rollout import collect_episodes
 
+    if suite not in SUITES:
+        raise ConfigError(f"--suite: {suite!r} is not one of {', '.join(SUITES)}")
     if cfg.env.name != "libero":
         raise ConfigError(f"dvla eval --suite {suite}: the run trained on env {cfg.env.name!r}, not libero")
-    n_tasks = LiberoTasks(suite).n_tasks
+    suite_tasks = LiberoTasks(suite)
+    n_tasks = suite_tasks.n_tasks
     tasks = list(range(n_tasks)) if tasks is None else tasks
     bad = [t for t in tasks if not 0 <= t < n_tasks]
     if bad:
         raise ConfigError(f"--tasks: {bad} not in {suite} (0..{n_tasks - 1})")
+    fewest = min(len(suite_tasks.init_states(t)) for t in tasks)
+    if episodes > fewest:
+        raise ConfigError(f"--episodes: {episodes} is more than the {fewest} fixed initial states a task has")
     n_envs = min(n_envs, episodes)
     k = cfg.policy.action_chunk
     decisions = -(-EVAL_STEPS[suite] // k)

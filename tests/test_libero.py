@@ -208,8 +208,11 @@ def test_a_training_update_then_dvla_eval(tmp_path, capsys):
     assert result["tasks"]["1"]["instruction"].startswith("pick up the black bowl next to the ramekin")
     assert 0.0 <= result["success_rate"] <= 1.0
     assert "task 1: " in capsys.readouterr().out
-    assert cli(["eval", str(tmp_path / "run"), "--suite", "libero_spatial", "--tasks", "10"]) == 2
-    assert "--tasks: [10] not in libero_spatial" in capsys.readouterr().err
+    for bad, why in ((["--tasks", "10"], "--tasks: [10] not in libero_spatial"),
+                     (["--episodes", "51"], "--episodes: 51 is more than the 50 fixed initial states"),
+                     (["--suite", "libero_100"], "--suite: 'libero_100' is not one of")):
+        args = ["eval", str(tmp_path / "run"), "--suite", "libero_spatial", *bad]
+        assert cli(args) == 2 and why in capsys.readouterr().err
 
 
 def test_the_transformer_vla_preset_reads_both_cameras(tmp_path):

@@ -174,12 +174,13 @@ class LiberoHost:
         return self.observe()
 
     def step(self, actions: np.ndarray) -> dict[str, np.ndarray]:
-        """One action ``(n, 7)`` in each env; the observation, the reward and success."""
-        reward, success = np.zeros(len(self.envs), np.float32), np.zeros(len(self.envs), bool)
+        """One action ``(n, 7)`` in each env; the observation and whether the task's goal holds
+        (LIBERO's own reward is that, 0 or 1; the env pays ``success_reward`` for it)."""
+        success = np.zeros(len(self.envs), bool)
         for j, env in enumerate(self.envs):
-            self._obs[j], reward[j], _, _ = env.step(actions[j])
+            self._obs[j], _, _, _ = env.step(actions[j])
             success[j] = bool(env.check_success())
-        return {**self.observe(), "reward": reward, "success": success}
+        return {**self.observe(), "success": success}
 
     def observe(self) -> dict[str, np.ndarray]:
         n, s, w = len(self.envs), self.image_size, self.wrist_size
