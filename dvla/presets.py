@@ -77,10 +77,11 @@ def libero_spatial(suite: str = "libero_spatial") -> JobConfig:
 
     chunk = 4  # decisions of 4 actions: the suite's evaluation length in EVAL_STEPS / 4 decisions
     return JobConfig(
-        # 64 px cameras render at about 2-5 env steps/s per core on a CPU (llvmpipe); raise
-        # env.image_size on a GPU machine. Two worker processes step the 8 envs.
+        # A 64 px camera renders at a few env steps/s per core on a CPU (llvmpipe); raise
+        # env.image_size on a GPU machine. Two worker processes step the 8 envs. TinyVLA reads
+        # the agent view only, so no wrist camera is rendered for it.
         env=EnvConfig(name="libero", n_envs=8, episode_len=-(-EVAL_STEPS[suite] // chunk), image_size=64,
-                      options={"suite": suite, "task_ids": [0], "wrist_size": 64, "workers": 2}),
+                      options={"suite": suite, "task_ids": [0], "wrist_size": 0, "workers": 2}),
         policy=PolicyConfig(
             name="tiny_vla", action_chunk=chunk,
             options={"hidden_dim": 128, "vision_channels": 16, "embed_dim": 16, "head": "gaussian",
@@ -97,6 +98,7 @@ def libero_10() -> JobConfig:
 
 def libero_spatial_token() -> JobConfig:
     cfg = libero_spatial()
+    cfg.env.options["wrist_size"] = 64  # it reads every camera the env has
     cfg.policy = PolicyConfig(name="token_vla", action_chunk=cfg.policy.action_chunk,
                               options={"size": "tiny", "decoding": "parallel"})
     cfg.run.out_dir = "runs/libero_spatial_token"
