@@ -328,6 +328,12 @@ class CheckpointManager:
         return None
 
 
+def section(tensors: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint holds under ``prefix`` (``"policy/"``, ``"reference/"``),
+    named as the module's state dict names them."""
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
 def _step_of(path: Path) -> int:
     return int(_STEP_DIR.match(path.name).group(1))
 

@@ -17,15 +17,14 @@ from pathlib import Path
 
 import torch
 
-from dvla.checkpoint import CheckpointError, CheckpointManager
+from dvla.checkpoint import CheckpointError, CheckpointManager, section
 from dvla.config import ConfigError, JobConfig, load_yaml
 
 
 def load_policy(run: Path):
     """The run's config and its policy with the newest valid checkpoint's weights."""
     from dvla.envs import env_spec
-    from dvla.models import TinyVLA  # noqa: F401 (registers the built-in policies)
-    from dvla.policy import PolicySpec, build_policy
+    from dvla.policy import PolicySpec, build_policy  # (importing dvla registered the built-in policies)
 
     cfg = load_yaml(JobConfig(), run / "config.yaml")
     ck = CheckpointManager(run / "checkpoints").load_latest()
@@ -33,9 +32,8 @@ def load_policy(run: Path):
         raise CheckpointError(f"{run}: no checkpoint to evaluate (run.save_every=0?)")
     spec = PolicySpec.for_env(env_spec(cfg.env), cfg.policy.action_chunk)
     policy = build_policy(cfg.policy.name, spec, cfg.policy.options)
-    weights = {k[len("policy/"):]: v for k, v in ck.tensors.items() if k.startswith("policy/")}
     try:
-        policy.load_state_dict(weights)
+        policy.load_state_dict(section(ck.tensors, "policy/"))
     except RuntimeError as exc:
         raise CheckpointError(f"{ck.path}: does not fit policy {cfg.policy.name!r}: "
                               f"{str(exc).splitlines()[0]}") from None

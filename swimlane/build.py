@@ -324,7 +324,8 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
             auto = placement.transports[rank] if learner == placement.routes[rank] else "ipc" if same_host else "tcp"
             transport = dp.transport if dp.transport != "auto" else auto  # a forced one wins
             dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": transport})
-            return RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}", client_keys=keys))
+            return RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}", client_keys=keys),
+                                   learner)
 
         if adaptive:
             sink = RoutedSink({learner: sink_to(learner) for learner in placement.learners}, routes[rank])

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dvla.checkpoint import CheckpointManager
+from dvla.checkpoint import CheckpointManager, section
 from dvla.config import ConfigError
 from dvla.sharding import full_tensor
 from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
@@ -66,10 +66,10 @@ class RunCheckpoints:
             self.manager.save(version, *state)
 
     def load_weights(self, t: dict[str, torch.Tensor]) -> None:
-        self.policy.load_state_dict({k[7:]: v for k, v in t.items() if k.startswith("policy/")})
+        self.policy.load_state_dict(section(t, "policy/"))
         ref = getattr(self.algo, "reference", None)
         if ref is not None:
-            ref.load_state_dict({k[10:]: v for k, v in t.items() if k.startswith("reference/")})
+            ref.load_state_dict(section(t, "reference/"))
 
     def restore(self, t: dict[str, torch.Tensor], m: dict[str, Any], path: Path) -> Resumed:
         """Load a state (from :meth:`state`, or a checkpoint) into the policy, reference,

@@ -86,10 +86,10 @@ class LocalChunks(LocalChannel[Chunk]):
 
 
 class RemoteChunkSink:
-    """Rollout side of the data plane."""
+    """Rollout side of the data plane: chunks to the learner rank ``learner``."""
 
-    def __init__(self, sender: TrajectorySender):
-        self.sender = sender
+    def __init__(self, sender: TrajectorySender, learner: int):
+        self.sender, self.learner = sender, learner
 
     def put(self, chunk: Chunk, stop: threading.Event | None = None) -> bool:
         self.sender.send(CHUNK_KIND, chunk.batch.to_dict(), chunk.meta, on_done=chunk.on_done)

@@ -219,7 +219,7 @@ class Swimlane(RankLanes):
                 summary["env_groups_active"] = self._sampling.active
                 summary["chunks_by_group"] = [g.chunks for g in self._sampling.groups]
         if self.world_size > 1 and self.is_rollout:
-            summary["data_route"] = {"learner": getattr(self.sink, "learner", self.placement.routes[self.rank]),
+            summary["data_route"] = {"learner": self.sink.learner,
                                      "transport": self.sink.sender.address.split("://")[0],  # as dialled
                                      "address": self.sink.sender.address}
         if self.rank == 0:

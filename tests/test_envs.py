@@ -201,25 +201,17 @@ def test_render_cost_shifts_after_phase_after_renders():
     assert time.perf_counter() - t0 >= 0.02
     with pytest.raises(ConfigError, match="phase_after_s"):
         fast(options={"phase_after_s": -1.0})
-    # options.render_wait_ms_after: the wait (no core used) shifts with the phase too.
-    env = fast(n=2, options={"render_wait_ms": 30.0, "phase_after": 2, "render_wait_ms_after": 0.0})
-    env.reset()  # render 1
-    t0 = time.perf_counter()
-    env.step(torch.zeros(2, 2))  # render 2: still waits
-    assert time.perf_counter() - t0 >= 0.03
-    t0 = time.perf_counter()
-    env.step(torch.zeros(2, 2))  # render 3: the second phase
-    assert time.perf_counter() - t0 < 0.02
-    with pytest.raises(ConfigError, match="render_wait_ms_after"):
-        fast(options={"render_wait_ms_after": -1.0})
-    # options.render_python_ms(_after): work in Python (the GIL held), shifting likewise.
-    env = fast(n=2, options={"render_python_ms": 30.0, "phase_after": 2, "render_python_ms_after": 0.0})
-    env.reset()
-    t0 = time.perf_counter()
-    env.step(torch.zeros(2, 2))
-    assert time.perf_counter() - t0 >= 0.03
-    t0 = time.perf_counter()
-    env.step(torch.zeros(2, 2))
-    assert time.perf_counter() - t0 < 0.02
-    with pytest.raises(ConfigError, match="render_python_ms"):
-        fast(options={"render_python_ms": -1.0})
+    # options.render_wait_ms_after (a wait, no core used) and render_python_ms_after (work in
+    # Python, the GIL held) shift with the phase too.
+    for key in ("render_wait_ms", "render_python_ms"):
+        env = fast(n=2, options={key: 30.0, "phase_after": 2, f"{key}_after": 0.0})
+        env.reset()  # render 1
+        t0 = time.perf_counter()
+        env.step(torch.zeros(2, 2))  # render 2: still the first phase
+        assert time.perf_counter() - t0 >= 0.03, key
+        t0 = time.perf_counter()
+        env.step(torch.zeros(2, 2))  # render 3: the second phase
+        assert time.perf_counter() - t0 < 0.02, key
+        for bad in (key, f"{key}_after"):
+            with pytest.raises(ConfigError, match=bad):
+                fast(options={bad: -1.0})

@@ -53,6 +53,13 @@ COLORS = {
 }
 
 
+def _per_phase(opts: dict, key: str) -> tuple[float, float]:
+    """Seconds of ``opts[key]`` (ms) before and after the phase shift; ``key_after`` None
+    leaves it as it was."""
+    before, after = float(opts[key]) / 1000.0, opts[f"{key}_after"]
+    return before, before if after is None else float(after) / 1000.0
+
+
 def _hold_gil(seconds: float) -> None:
     """Busy for ``seconds`` in pure Python, holding the GIL (a Python simulator's step)."""
     end, x = time.perf_counter() + seconds, 0
@@ -85,7 +92,7 @@ class FastReachEnv(GoalEnv):
         for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after", "phase_after_s",
                     "render_wait_ms", "render_wait_ms_after", "render_python_ms", "render_python_ms_after"):
             v = opts[key]
-            if v is None and key in ("render_wait_ms_after", "render_python_ms_after"):  # as in the first phase
+            if v is None and cls.OPTIONS[key] is None:  # an ``_after`` left as in the first phase
                 continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
@@ -110,14 +117,11 @@ class FastReachEnv(GoalEnv):
         self.max_delta = float(opts["max_delta"])
         self.privileged = bool(opts["privileged"])
         self.success_threshold = float(opts["radius"])
-        self.render_cost_s = float(opts["render_cost_ms"]) / 1000.0
-        self.render_wait_s = float(opts["render_wait_ms"]) / 1000.0
-        after = opts["render_wait_ms_after"]  # None: the wait does not change with the phase
-        self.render_wait_after_s = self.render_wait_s if after is None else float(after) / 1000.0
-        self.render_python_s = float(opts["render_python_ms"]) / 1000.0
-        after = opts["render_python_ms_after"]
-        self.render_python_after_s = self.render_python_s if after is None else float(after) / 1000.0
-        self.phase_after, self.render_cost_after_s = int(opts["phase_after"]), float(opts["render_cost_ms_after"]) / 1e3
+        # (first phase, second phase) seconds per render: native work, a wait, work in Python
+        self.render_cost = _per_phase(opts, "render_cost_ms")
+        self.render_wait = _per_phase(opts, "render_wait_ms")
+        self.render_python = _per_phase(opts, "render_python_ms")
+        self.phase_after = int(opts["phase_after"])
         self.phase_at = time.perf_counter() + float(opts["phase_after_s"]) if opts["phase_after_s"] else None
         self.renders = 0
         self.wrist = int(opts["wrist_camera"])
@@ -188,15 +192,13 @@ class FastReachEnv(GoalEnv):
         self.renders += around is None
         shifted = (self.phase_after and self.renders > self.phase_after) or (
             self.phase_at is not None and time.perf_counter() >= self.phase_at)
-        cost = self.render_cost_after_s if shifted else self.render_cost_s
+        cost, wait, held = (x[1 if shifted else 0] for x in (self.render_cost, self.render_wait, self.render_python))
         if cost > 0:
             end = time.perf_counter() + cost
             while time.perf_counter() < end:
                 hashlib.sha256(_BURN)  # native, GIL released for buffers over 2 KiB
-        wait = self.render_wait_after_s if shifted else self.render_wait_s
         if wait > 0:
             time.sleep(wait)
-        held = self.render_python_after_s if shifted else self.render_python_s
         if held > 0:
             _hold_gil(held)
         return img.clamp_(0, 255).to(torch.uint8)

@@ -159,9 +159,6 @@ class LiberoHost:
         self._settle = np.zeros(ACTION_DIM)
         self._settle[-1] = -1.0  # gripper open
 
-    def n_states(self) -> dict[int, int]:
-        return {t: len(s) for t, s in self._states.items()}
-
     def reset(self, items: list[tuple[int, int]]) -> dict[str, np.ndarray]:
         """Restart env ``j`` from initial state ``k`` of its task, for each ``(j, k)``."""
         for j, k in items:
@@ -212,7 +209,7 @@ def _serve(conn, kwargs: dict) -> None:
     torch.set_num_threads(1)
     try:
         host = LiberoHost(**kwargs)
-        conn.send(("ok", host.n_states()))
+        conn.send(("ok", None))
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
@@ -240,7 +237,7 @@ class _Remote:
         self.proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True, name="dvla-libero")
         self.proc.start()
         child.close()
-        self.n_states = self._receive("build")
+        self._receive("build")
 
     def send(self, method: str, *args) -> None:
         try:
@@ -276,7 +273,7 @@ class _Remote:
             try:
                 self.send("close")
                 self.conn.poll(30) and self.conn.recv()
-            except (OSError, EOFError):
+            except (OSError, EOFError, RuntimeError):  # it died meanwhile
                 pass
             self.proc.join(30)
             if self.proc.is_alive():
@@ -291,7 +288,6 @@ class _Local:
 
     def __init__(self, kwargs: dict):
         self.host = LiberoHost(**kwargs)
-        self.n_states = self.host.n_states()
         self._result = None
 
     def send(self, method: str, *args) -> None:
@@ -334,14 +330,18 @@ class LiberoEnv(BatchedEnv):
 
     @classmethod
     def spec_for(cls, cfg: EnvConfig) -> EnvSpec:
-        w = cls.check_config(cfg)["wrist_size"]
+        return cls._spec(cfg, cls.check_config(cfg))
+
+    @staticmethod
+    def _spec(cfg: EnvConfig, opts: dict) -> EnvSpec:
+        w = opts["wrist_size"]
         return EnvSpec(image_shape=(3, cfg.image_size, cfg.image_size), proprio_dim=PROPRIO_DIM,
                        action_dim=ACTION_DIM, cameras=(("wrist", (3, w, w)),) if w else ())
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)
         opts = self.check_config(cfg)
-        self.spec = self.spec_for(cfg)
+        self.spec = self._spec(cfg, opts)
         ids = opts["task_ids"]
         self.task_of = [ids[i * len(ids) // self.n_envs] for i in range(self.n_envs)]
         self.tasks = LiberoTasks(opts["suite"])
@@ -366,9 +366,7 @@ class LiberoEnv(BatchedEnv):
         except BaseException:
             self.close()
             raise
-        self._n_states = {}
-        for h in self.hosts:
-            self._n_states.update(h.n_states)
+        self._n_states = {t: len(self.tasks.init_states(t)) for t in ids}
         self._last: list[dict] = [{} for _ in self.hosts]
 
     # -- the hosts ---------------------------------------------------------------------------
