@@ -49,13 +49,10 @@ def tokenize(tokenizer: Any, texts: list[str]) -> tuple[Tensor, Tensor]:
 
 
 def _pad(rows: list[list[int]], max_len: int, pad_id: int) -> tuple[Tensor, Tensor]:
-    ids = torch.full((len(rows), max_len), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), max_len, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        row = row[:max_len]
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        mask[i, : len(row)] = True
-    return ids, mask
+    rows = [row[:max_len] for row in rows]
+    ids = torch.tensor([row + [pad_id] * (max_len - len(row)) for row in rows], dtype=torch.long)
+    mask = torch.tensor([[True] * len(row) + [False] * (max_len - len(row)) for row in rows], dtype=torch.bool)
+    return ids.reshape(len(rows), max_len), mask.reshape(len(rows), max_len)
 
 
 class PaddedTokenizer:
@@ -69,7 +66,9 @@ class PaddedTokenizer:
         raise NotImplementedError
 
     def encode_batch(self, texts: list[str]) -> tuple[Tensor, Tensor]:
-        return _pad([self.encode(t) for t in texts], self.max_len, self.pad_id)
+        encoded: dict[str, list[int]] = {}  # a batch's envs mostly share their instruction
+        return _pad([encoded[t] if t in encoded else encoded.setdefault(t, self.encode(t)) for t in texts],
+                     self.max_len, self.pad_id)
 
     def __call__(self, texts: list[str]) -> Tensor:
         return self.encode_batch(texts)[0]
