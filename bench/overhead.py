@@ -24,12 +24,19 @@ steps per second, and each ratio to the reference measured in the same repeat.
 Targets (issue #20): sync >= 0.9x, autotune >= 1.0x, and async never below sync once
 autotune chooses.
 
+``--budget`` instead times where a decision step goes, in microseconds: the reference's
+simulator, rest of the rollout and learning; dvla sync's simulator, env wrapper, recorder,
+inference, batch starts, learner and the rest (driver and glue). Timers wrap the methods
+for the run (about a microsecond per call).
+
     python bench/overhead.py --repeats 3
+    python bench/overhead.py --budget --updates 300
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -37,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,8 +94,10 @@ class StateMLP(VLAPolicy):
                             value=value)
 
 
-def reference_ppo(gym_id: str, n_envs: int, t_len: int, updates: int, algo: AlgoConfig, seed: int) -> float:
-    """The plain loop; returns env steps per second."""
+def reference_ppo(gym_id: str, n_envs: int, t_len: int, updates: int, algo: AlgoConfig, seed: int,
+                  times: dict[str, float] | None = None) -> float:
+    """The plain loop; returns env steps per second. ``times``: seconds of rollout and
+    learning are added to it."""
     import gymnasium as gym
 
     torch.manual_seed(seed)
@@ -98,6 +108,7 @@ def reference_ppo(gym_id: str, n_envs: int, t_len: int, updates: int, algo: Algo
     obs, _ = envs.reset(seed=seed)
     start, steps = time.perf_counter(), 0
     for _ in range(updates):
+        t0 = time.perf_counter()
         buf = {k: [] for k in ("obs", "act", "logp", "val", "rew", "term", "done")}
         with torch.no_grad():
             for _ in range(t_len):
@@ -114,6 +125,7 @@ def reference_ppo(gym_id: str, n_envs: int, t_len: int, updates: int, algo: Algo
                     buf[k].append(v)
                 steps += n_envs
             last = net(torch.as_tensor(obs, dtype=torch.float32))[1]
+        t1 = time.perf_counter()
         b = {k: torch.stack(v) for k, v in buf.items()}
         adv, gae_t = torch.zeros_like(b["rew"]), torch.zeros(n_envs)
         values = torch.cat([b["val"], last.unsqueeze(0)])
@@ -136,6 +148,9 @@ def reference_ppo(gym_id: str, n_envs: int, t_len: int, updates: int, algo: Algo
                 loss.backward()
                 nn.utils.clip_grad_norm_(net.parameters(), algo.max_grad_norm)
                 opt.step()
+        if times is not None:
+            times["rollout"] = times.get("rollout", 0.0) + t1 - t0
+            times["learning"] = times.get("learning", 0.0) + time.perf_counter() - t1
     envs.close()
     return steps / (time.perf_counter() - start)
 
@@ -178,6 +193,63 @@ def dvla_job(args, out: Path, setting: str) -> float:
     return s["env_steps"] / s["wall_s"]
 
 
+BUDGET = (  # (label, "module:Class", method): the parts of a dvla sync run timed by --budget
+    ("simulator", "gymnasium.vector:SyncVectorEnv", "step"),
+    ("env wrapper", "dvla.envs.base:BatchedEnv", "step"),  # less the simulator inside it
+    ("recorder", "dvla.rollout:EpisodeRecorder", "record"),
+    ("inference", "swimlane.lanes.inference:InferenceLane", "_answer"),
+    ("batch starts", "swimlane.lanes.sampling:SamplingLane", "start"),
+    ("learner", "swimlane.lanes.learner:LearnerLane", "learn"),
+)
+
+
+@contextmanager
+def timed(targets, acc: dict[str, float]):
+    """While inside: the seconds spent in each ``(label, "module:Class", method)`` of
+    ``targets`` are added to ``acc[label]``."""
+    saved = []
+    for label, where, name in targets:
+        module, cls = where.split(":")
+        owner = getattr(importlib.import_module(module), cls)
+        fn = owner.__dict__[name]
+
+        def timed_fn(*a, _fn=fn, _label=label, **k):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                acc[_label] = acc.get(_label, 0.0) + time.perf_counter() - t
+
+        saved.append((owner, name, fn))
+        setattr(owner, name, timed_fn)
+    try:
+        yield acc
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+
+
+def budget(args, algo: AlgoConfig) -> None:
+    """Microseconds per decision step (one step of all envs) of each part, reference and dvla sync."""
+    ref: dict[str, float] = {}
+    steps = args.updates * args.t_len * args.n_envs  # no episode of these tasks ends before T
+    with timed(BUDGET[:1], ref):
+        ref["total"] = steps / reference_ppo(args.gym_id, args.n_envs, args.t_len, args.updates, algo, seed=0,
+                                             times=ref)
+    ref["rest of rollout"] = ref.pop("rollout") - ref["simulator"]
+    ours: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp, timed(BUDGET, ours):
+        ours["total"] = steps / dvla_job(args, Path(tmp) / "budget", "sync")  # the run's wall time
+    ours["env wrapper"] -= ours["simulator"]
+    ours["rest"] = ours["total"] - sum(v for k, v in ours.items() if k != "total")
+    decisions = args.updates * args.t_len
+    print(f"microseconds per decision step ({args.gym_id}, {args.n_envs} envs, {args.updates} updates of "
+          f"T={args.t_len}):")
+    for name, part in (("reference", ref), ("dvla sync", ours)):
+        print(f"  {name:10s} " + ", ".join(f"{k} {1e6 * v / decisions:.0f}" for k, v in part.items() if k != "total")
+              + f"; total {1e6 * part['total'] / decisions:.0f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gym-id", default="Pendulum-v1")
@@ -190,9 +262,13 @@ def main() -> None:
     p.add_argument("--window-s", type=float, default=1.0, help="autotune's measuring window")
     p.add_argument("--settings", default="sync,async,turns,autotune,procs,procs_autotune",
                    help="which dvla settings to run")
+    p.add_argument("--budget", action="store_true", help="time the parts of a decision step instead")
     args = p.parse_args()
     torch.set_num_threads(1)
     algo = AlgoConfig(name="ppo", update_epochs=args.epochs, minibatches=args.minibatches)
+    if args.budget:
+        budget(args, algo)
+        return
     names = ["reference", *args.settings.split(",")]
     got: dict[str, list[float]] = {n: [] for n in names}
     ratios: dict[str, list[float]] = {n: [] for n in names[1:]}
