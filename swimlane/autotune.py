@@ -90,14 +90,18 @@ class Decision:
 
 class Controller:
     def __init__(self, knobs: list[Knob], values: dict[str, int], *, tolerance: float = 0.03, shift: float = 0.15,
-                 prefer: dict[str, tuple[str, int]] | None = None):
+                 prefer: dict[str, tuple[str, int]] | None = None,
+                 needs: dict[str, Callable[[dict[str, int]], bool]] | None = None):
         """``values``: the knobs' starting values (clamped to their bounds); ``prefer``:
-        bottleneck lane -> (knob, direction) to try first when that lane is the busiest."""
+        bottleneck lane -> (knob, direction) to try first when that lane is the busiest;
+        ``needs``: knob -> whether it has any effect at the current values (a wait for more
+        groups' requests has none while one group steps): a knob without effect is not
+        tried, so no window is spent measuring noise."""
         if not knobs:
             raise ValueError("autotune: no knob to adjust")
         self.knobs = {k.name: k for k in knobs}
         self.values = {k.name: k.clamp(int(values.get(k.name, k.low))) for k in knobs}
-        self.tolerance, self.shift, self.prefer = tolerance, shift, prefer or {}
+        self.tolerance, self.shift, self.prefer, self.needs = tolerance, shift, prefer or {}, needs or {}
         self.window = 0
         self.best: float | None = None  # throughput at the current values
         self.trial: tuple[str, int, int] | None = None  # (knob, old value, direction) being tried
@@ -112,9 +116,12 @@ class Controller:
         self.values[name] = value
 
     def moves(self) -> list[tuple[str, int]]:
-        """Untried moves from the current values that stay within bounds."""
+        """Untried moves from the current values that stay within bounds, of knobs that have
+        an effect there."""
         out = []
         for name, knob in self.knobs.items():
+            if name in self.needs and not self.needs[name](self.values):
+                continue
             for d in (1, -1):
                 v = self.values[name] + d * knob.step
                 if knob.low <= v <= knob.high and (name, d) not in self.tried:
@@ -210,6 +217,7 @@ class Setting:
     knob: Knob
     get: Callable[[], int]
     set: Callable[[int], None]
+    needs: Callable[[dict[str, int]], bool] | None = None  # whether it has an effect at these knob values
 
 
 class Tuner:
@@ -229,7 +237,7 @@ class Tuner:
         2 s windows), which no tolerance tells from a move's effect."""
         self.settings = {s.knob.name: s for s in settings}
         self.controller = Controller([s.knob for s in settings], {s.knob.name: s.get() for s in settings},
-                                     prefer=prefer)
+                                     prefer=prefer, needs={s.knob.name: s.needs for s in settings if s.needs})
         for name, s in self.settings.items():  # start from the clamped values
             if s.get() != self.controller.values[name]:
                 s.set(self.controller.values[name])

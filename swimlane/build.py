@@ -387,19 +387,22 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, 
     def set_wait(ms: int) -> None:
         inference.wait_s = ms / 1000.0
 
+    def overlapping(v: dict[str, int]) -> bool:  # while the lanes take turns they never compete
+        return not v["take_turns"]
+
     settings = [Setting(Knob("env_groups", 1, sl.env_groups), lambda: lane.active, set_groups),
                 Setting(Knob("take_turns", 0, 1), lambda: int(turns.on), lambda v: turns.set(bool(v)))]
-    if sl.env_groups > 1:
+    if sl.env_groups > 1:  # a forward pass waits for other groups' requests only with lanes that overlap
         settings.append(Setting(Knob("inference_wait_ms", 0, 8, step=2), lambda: round(inference.wait_s * 1000),
-                                set_wait))
+                                set_wait, needs=lambda v: overlapping(v) and v["env_groups"] > 1))
     if gradient_tid() is not None or sl.gradient_nice:
-        settings.append(Setting(Knob("gradient_nice", 0, 15, step=5), get_nice, set_nice))
+        settings.append(Setting(Knob("gradient_nice", 0, 15, step=5), get_nice, set_nice, needs=overlapping))
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(cpus) > 1:
         settings.append(Setting(Knob("torch_threads", 1, len(cpus)), torch.get_num_threads, torch.set_num_threads))
         if gradient_tid() is not None:
             split = CpuSplit(cpus, tids)
-            settings.append(Setting(Knob("split_cpus", 0, 1), lambda: int(split.on), split.set))
+            settings.append(Setting(Knob("split_cpus", 0, 1), lambda: int(split.on), split.set, needs=overlapping))
     stream = getattr(inference, "stream", None)
     if stream is not None and stream.can_prioritise:
         settings.append(Setting(Knob("inference_priority", 0, 1), lambda: int(stream.high_priority),

@@ -250,7 +250,11 @@ class RankLanes:
         return InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
                              generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
                              pool=self.memory.transient if self.memory is not None else None, poll_s=_POLL_S,
-                             stream=self.streams["inference"], groups=self.sl.env_groups, turns=self.turns)
+                             stream=self.streams["inference"], groups=self._groups_stepping, turns=self.turns)
+
+    def _groups_stepping(self) -> int:
+        """The env groups that step now (autotune and rebalancing plans move the count)."""
+        return self._sampling.active if self._sampling is not None else self.sl.env_groups
 
     # -- gradient lane ---------------------------------------------------------------------
 

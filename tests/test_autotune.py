@@ -85,6 +85,25 @@ def test_after_a_revert_it_measures_again_so_a_lucky_window_sets_no_bar():
     assert ctl.values["y"] == 1 and all(d.knob != "y" for d in kept)
 
 
+def test_a_knob_without_effect_at_the_current_values_is_not_tried():
+    """``needs``: while the lanes take turns, a wait for more groups' requests changes
+    nothing, so no window goes to it; once turns are off again it is tried."""
+    ctl = Controller([Knob("take_turns", 0, 1), Knob("wait", 0, 4, step=2)], {"take_turns": 1, "wait": 0},
+                     needs={"wait": lambda v: v["take_turns"] == 0})
+    assert ctl.moves() == [("take_turns", -1)]
+
+    def f(v):
+        return 100.0 + 20.0 * (1 - v["take_turns"]) + 5.0 * v["wait"]
+
+    tried = [d.knob for window in drive(ctl, f, 30) for d in window]
+    assert tried[0] == "take_turns" and "wait" in tried
+    assert ctl.converged and ctl.values == {"take_turns": 0, "wait": 4}
+    held = Controller([Knob("take_turns", 0, 1), Knob("wait", 0, 4, step=2)], {"take_turns": 1, "wait": 0},
+                      needs={"wait": lambda v: v["take_turns"] == 0})
+    drive(held, lambda v: 100.0 - 30.0 * (1 - v["take_turns"]), 30)  # turns stay on: the wait is never tried
+    assert held.converged and all(d.knob == "take_turns" for d in held.decisions)
+
+
 def test_lanes_contending_for_the_process_make_it_try_taking_turns_first():
     """Lanes busy for a core or more in a process that ran on little more than one of its
     cores (threads taking turns on the GIL) point at taking turns; lanes that ran in
@@ -230,6 +249,9 @@ def test_cpu_knobs_pin_the_lanes_threads_and_set_torch_threads():
                           SimpleNamespace(wait_s=0.0), lambda: dict(tids), Ledger(), Tracer(), Turns())
         knobs = tuner.settings
         assert {"env_groups", "take_turns", "gradient_nice", "torch_threads", "split_cpus"} <= knobs.keys()
+        values = {"env_groups": 1, "take_turns": 1}  # taking turns, the lanes never compete for CPUs
+        assert not knobs["split_cpus"].needs(values) and not knobs["gradient_nice"].needs(values)
+        assert knobs["split_cpus"].needs({**values, "take_turns": 0}) and knobs["torch_threads"].needs is None
         knobs["split_cpus"].set(1)
         assert sorted(os.sched_getaffinity(tids["gradient"])) == cpus[half:] and knobs["split_cpus"].get() == 1
         assert sorted(os.sched_getaffinity(tids["sampling"])) == cpus[:half]

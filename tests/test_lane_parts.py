@@ -327,7 +327,8 @@ def test_only_active_groups_start_batches():
 
 def test_inference_waits_for_more_groups_up_to_its_wait():
     """swimlane.autotune's inference_wait_ms knob: a forward pass waits (up to wait_s) for
-    the other groups' requests and answers them in one pass; without a wait it goes alone."""
+    the other groups' requests and answers them in one pass; without a wait it goes alone,
+    and it never waits for groups that do not step."""
     import threading
     import time
 
@@ -361,3 +362,10 @@ def test_inference_waits_for_more_groups_up_to_its_wait():
     assert inference.step() and replies.depth() == 2 and passes() == 3  # one pass for both
     assert time.perf_counter() - t0 < 0.9  # it stopped waiting once both groups had asked
     t.join()
+    while replies.get(0.0) is not None:
+        pass
+    inference.groups = lambda: 1  # one group steps now (autotune or a plan parked the other)
+    sampling.start(0)
+    t0 = time.perf_counter()
+    assert inference.step() and replies.depth() == 1 and passes() == 4
+    assert time.perf_counter() - t0 < 0.5  # no wait for a group that sends nothing

@@ -31,9 +31,10 @@ class InferenceLane:
 
     def __init__(self, *, requests: Channel[Request], replies: Channel[Reply], weights: DoubleBufferedWeights,
                  generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05,
-                 stream: LaneStream | None = None, groups: int = 1, turns: Turns | None = None):
+                 stream: LaneStream | None = None, groups: int | Callable[[], int] = 1, turns: Turns | None = None):
         """``stream``: the CUDA stream its forward passes run on (swimlane/streams.py);
-        ``groups``: the env groups that send requests (at most one each is pending);
+        ``groups``: the env groups that send requests (at most one each is pending), or a
+        function giving how many step now (a wait for more never outlasts them);
         ``turns``: the rank's switch between overlapping lanes and taking turns."""
         self.requests, self.replies = requests, replies
         self.weights, self.generator, self.tracer = weights, generator, tracer
@@ -74,10 +75,11 @@ class InferenceLane:
         reqs: list[Request] = [first]
         while self.batch_all and (more := self.requests.get(0.0)) is not None:
             reqs.append(more)
-        if self.batch_all and self.wait_s > 0 and len(reqs) < self.groups and not self.turns.on:
+        groups = self.groups() if callable(self.groups) else self.groups
+        if self.batch_all and self.wait_s > 0 and len(reqs) < groups and not self.turns.on:
             with self.tracer.span("inference", "wait"):
                 deadline = time.perf_counter() + self.wait_s
-                while len(reqs) < self.groups and (left := deadline - time.perf_counter()) > 0:
+                while len(reqs) < groups and (left := deadline - time.perf_counter()) > 0:
                     if (more := self.requests.get(left)) is not None:
                         reqs.append(more)
         policy, version = self.weights.acquire()
