@@ -1,7 +1,8 @@
 """The resource manager's controller: bounded, logged adjustments of a run's knobs from
 stage profiles measured while it runs (issue #20; ``swimlane.autotune``).
 
-A :class:`Profile` is one measuring window: the useful env steps per second and, for the
+A :class:`Profile` is one measuring window: the env steps per second (the rollout's pace,
+idle envs of ended episodes included) and, for the
 reasons it gives, each lane's busy share, the idle env-step share and the process's CPU
 share (lanes busy for a core or more in a process that ran on little more than one of
 its cores were contending for the GIL). :class:`Controller`
@@ -55,7 +56,7 @@ class Knob:
 class Profile:
     """One measuring window of a running job."""
 
-    steps_per_s: float  # useful env steps per second
+    steps_per_s: float  # env steps per second, of live and ended (idle) envs alike: the rollout's pace
     busy: dict[str, float] = field(default_factory=dict)  # lane -> busy share of the window, 0..1
     idle_env_share: float = 0.0  # env steps of ended episodes waiting, over all env steps
     cpu_share: float | None = None  # the process's CPU seconds per second of the window
@@ -221,8 +222,8 @@ class Setting:
 
 
 class Tuner:
-    """The controller on a live run: every ``window_s`` a :class:`Profile` (useful env steps
-    per second and idle share from the ledger, lane busy shares from the trace), the
+    """The controller on a live run: every ``window_s`` a :class:`Profile` (env steps per
+    second and idle share from the ledger, lane busy shares from the trace), the
     controller's decisions applied and logged.
 
     Env steps are counted a chunk at a time, so a rate over a fixed window would be off by
@@ -263,7 +264,10 @@ class Tuner:
         wall = max(now - wall0, 1e-9)
         busy = {lane: s / wall for lane, s in self.clock.busy().items()}
         steps = (live - live0) + (idle - idle0)
-        return Profile(steps_per_s=(live - live0) / max(stamp - t0, 1e-9), busy=busy,
+        # Every env step counts: as the policy improves, more episodes end early and wait for
+        # their batch, so useful steps per second fall while the knobs stay put; judged by them,
+        # every move would look worse than the window before it.
+        return Profile(steps_per_s=steps / max(stamp - t0, 1e-9), busy=busy,
                        idle_env_share=(idle - idle0) / max(steps, 1), cpu_share=(self.cpu - cpu) / wall,
                        cores=self.cores)
 

@@ -210,7 +210,29 @@ def test_the_tuner_measures_whole_chunks_and_waits_for_one():
     ledger.add("env_steps_idle", 1000)
     ledger.changed["env_steps_live"] = t0 + 1.5
     p = tuner.profile()
-    assert p.steps_per_s == pytest.approx(1000) and p.idle_env_share == pytest.approx(0.5)
+    assert p.steps_per_s == pytest.approx(2000) and p.idle_env_share == pytest.approx(0.5)  # idle steps count
+
+
+def test_the_rate_counts_idle_env_steps_so_a_policy_that_succeeds_sooner_is_no_slowdown():
+    """A learning policy ends more episodes early, whose envs then wait for their batch: the
+    useful steps of a chunk fall while the pace of the rollout stays. The profile's rate is
+    the pace (every env step), so the controller does not read learning as its moves
+    failing; the idle share reports the rest."""
+    from swimlane.autotune import Setting, Tuner
+    from swimlane.ledger import Ledger
+    from swimlane.trace import Tracer
+
+    ledger = Ledger()
+    tuner = Tuner([Setting(Knob("x", 0, 1), lambda: 0, lambda v: None)], ledger=ledger, tracer=Tracer(),
+                  window_s=0.0)
+    t0, profiles = tuner.last[0], []
+    for i, live in enumerate((900, 600, 300)):  # every chunk 1000 env steps in 0.5 s, fewer of them useful
+        ledger.add("env_steps_idle", 1000 - live)
+        ledger.add("env_steps_live", live)
+        ledger.changed["env_steps_live"] = t0 + 0.5 * (i + 1)
+        profiles.append(tuner.profile())
+    assert [p.steps_per_s for p in profiles] == pytest.approx([2000, 2000, 2000])  # useful steps: 1800, 1200, 600
+    assert [p.idle_env_share for p in profiles] == pytest.approx([0.1, 0.4, 0.7])
 
 
 def test_cpu_knobs_pin_the_lanes_threads_and_set_torch_threads():
