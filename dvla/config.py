@@ -352,8 +352,9 @@ class SwimlaneConfig:
     autotune: bool = False
     """Async mode: a resource manager adjusts the run while it runs, from stage profiles
     measured every ``autotune_window_s`` (env steps/s, idle envs included: the rollout's
-    pace; lane busy shares; idle env steps). It moves one knob at a time within bounds, keeps a move that raised throughput,
-    reverts one that did not, and stops once no move helps, until the throughput shifts.
+    pace; lane busy shares; idle env steps). It moves one knob at a time within bounds,
+    keeps a move that raised throughput, reverts one that did not, and stops once no move
+    helps, until the throughput shifts.
     Knobs: the env groups that step (1 to ``env_groups``), how long a forward pass waits
     for more groups' requests (0 to 8 ms), ``take_turns``, the gradient lane's niceness (0
     to 15), torch's intra-op threads (1 to the CPUs) and whether the gradient lane and the

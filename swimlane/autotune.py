@@ -2,11 +2,10 @@
 stage profiles measured while it runs (issue #20; ``swimlane.autotune``).
 
 A :class:`Profile` is one measuring window: the env steps per second (the rollout's pace,
-idle envs of ended episodes included) and, for the
-reasons it gives, each lane's busy share, the idle env-step share and the process's CPU
-share (lanes busy for a core or more in a process that ran on little more than one of
-its cores were contending for the GIL). :class:`Controller`
-climbs the throughput one knob step at a time:
+idle envs of ended episodes included) and, for the reasons it gives, each lane's busy
+share, the idle env-step share and the process's CPU share (lanes busy for a core or more
+in a process that ran on little more than one of its cores were contending for the GIL).
+:class:`Controller` climbs the throughput one knob step at a time:
 
 * it tries one move (a knob up or down by its step, within its bounds), trying first the
   knob the profile points at (:meth:`Controller.suggest`);

@@ -392,7 +392,7 @@ def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, 
 
     settings = [Setting(Knob("env_groups", 1, sl.env_groups), lambda: lane.active, set_groups),
                 Setting(Knob("take_turns", 0, 1), lambda: int(turns.on), lambda v: turns.set(bool(v)))]
-    if sl.env_groups > 1:  # a forward pass waits for other groups' requests only with lanes that overlap
+    if sl.env_groups > 1:  # a wait for more groups' requests, which only lanes that overlap make
         settings.append(Setting(Knob("inference_wait_ms", 0, 8, step=2), lambda: round(inference.wait_s * 1000),
                                 set_wait, needs=lambda v: overlapping(v) and v["env_groups"] > 1))
     if gradient_tid() is not None or sl.gradient_nice:
