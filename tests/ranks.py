@@ -1,6 +1,8 @@
 """Spawned ranks for multi-process tests: each worker gets ``(rank, port, *args, out)``,
 joins a process group on ``tcp://127.0.0.1:port`` itself, and puts ``(rank, result)`` on
-``out`` (a dict with ``"error"`` when it failed)."""
+``out`` (a dict with ``"error"`` when it failed). Results are plain Python values: a tensor
+put on the queue travels as a file descriptor that the parent fetches from the worker, which
+may have exited by then (``ConnectionResetError``)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ def _allreduce_worker(rank: int, port: int, bucket_bytes: int, out) -> None:
             allreduce_mean_grads(params, bucket_bytes=bucket_bytes)
         finally:
             dist.all_reduce = real
-        out.put((rank, {"grads": [p.grad.clone() for p in params], "calls": calls,
+        out.put((rank, {"grads": [p.grad.tolist() for p in params], "calls": calls,
                         "in_place": params[2].grad.data_ptr() == before}))
         dist.destroy_process_group()
     except BaseException as exc:
@@ -53,9 +53,10 @@ def _allreduce_worker(rank: int, port: int, bucket_bytes: int, out) -> None:
 
 def test_gradients_are_averaged_bucket_by_bucket():
     res = spawn_ranks(_allreduce_worker, 2, 4096)
-    for i, g in enumerate(res[0]["grads"]):
+    for i, (g, other) in enumerate(zip(res[0]["grads"], res[1]["grads"])):
+        g, other = torch.tensor(g), torch.tensor(other)
         want = 0.5 * (i + 1) if i == 3 else 1.5 * (i + 1)  # mean of (1, 2) * (i + 1); (1, 0) for the unused one
-        assert torch.allclose(g, torch.full_like(g, want)) and torch.equal(g, res[1]["grads"][i]), i
+        assert torch.allclose(g, torch.full_like(g, want)) and torch.equal(g, other), i
     # Buckets of at most 4 KiB: [15 + 7 floats], [1600] alone (in place), [2 + 12]; never all 1636 at once.
     assert res[0]["calls"] == [22, 1600, 14] == res[1]["calls"] and res[0]["in_place"]
 
