@@ -206,15 +206,16 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation_and_gae_runs_
 @pytest.mark.parametrize("mode", ["sync", "async", "autotune"])
 def test_a_run_with_independent_envs_learns_fast_reach(tmp_path, mode):
     """Learning rises with envs on their own clock, in both modes and with autotune moving
-    the knobs (its decisions included) while it learns."""
+    the knobs (its decisions included) while it learns. 60 updates: over 40, success rose
+    by 0.35-0.55 in most runs here, but by 0.117 in one CI run (async timing varies)."""
     tuned = ["swimlane.autotune=true", "swimlane.autotune_window_s=0.3"] if mode == "autotune" else []
     lanes = Swimlane(apply_overrides(fast_reach(), [
         "swimlane.independent_envs=true", f"swimlane.mode={'sync' if mode == 'sync' else 'async'}", *tuned,
         "swimlane.max_staleness=2",
-        "run.iterations=40", "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=2",
+        "run.iterations=60", "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=2",
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     summary = lanes.run()
-    assert summary["version"] == 40 and summary["env_steps_live"] > 0
+    assert summary["version"] == 60 and summary["env_steps_live"] > 0
     assert summary.get("dropped_stale", 0) <= summary["chunks_sent"] // 5  # admission holds new episodes
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     success = [r["success_rate"] for r in rows]
