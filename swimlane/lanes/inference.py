@@ -75,8 +75,8 @@ class InferenceLane:
         reqs: list[Request] = [first]
         while self.batch_all and (more := self.requests.get(0.0)) is not None:
             reqs.append(more)
-        groups = self.groups() if callable(self.groups) else self.groups
-        if self.batch_all and self.wait_s > 0 and len(reqs) < groups and not self.turns.on:
+        if self.batch_all and self.wait_s > 0 and not self.turns.on and len(reqs) < (
+                groups := self.groups() if callable(self.groups) else self.groups):
             with self.tracer.span("inference", "wait"):
                 deadline = time.perf_counter() + self.wait_s
                 while len(reqs) < groups and (left := deadline - time.perf_counter()) > 0:
