@@ -10,9 +10,10 @@ setup(
     packages=find_packages(include=["dvla", "dvla.*", "planes", "planes.*", "swimlane", "swimlane.*",
                                     "memory", "memory.*", "launch", "launch.*"]),
     install_requires=[
-        # A CPU wheel of this exact version lies on local disk here; a looser spec
-        # would download a multi-GB CUDA build. genesis-world does not declare torch.
-        "torch==2.13.0",
+        # The range dvla supports (FSDP2's fully_shard, torch.cuda.MemPool): a cluster keeps
+        # the CUDA build it has. The README and CI pin the CPU wheel this project tests on
+        # (torch==2.13.0); genesis-world does not declare torch.
+        "torch>=2.6,<3",
         "genesis-world==1.4.5",
         "pyzmq>=27",  # Socket.recv_into
         "msgpack>=1.0",
@@ -25,7 +26,9 @@ setup(
         "matplotlib>=3.7",  # swimlane Gantt charts
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "tensorboard>=2.14"],
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "tensorboard>=2.14",
+                # the documentation site (docs/), built strictly by tests/test_docs.py
+                "sphinx>=8", "myst-parser>=4"],
         "tb": ["tensorboard>=2.14"],  # TensorBoard event files next to metrics.jsonl
         # Transformer VLAs (token_vla, dvla.heads.tokens), Hugging Face tokenizers and the
         # built-in BPE tokenizer, LoRA adapters.
