@@ -52,6 +52,10 @@ def build_parser(prog: str = "python -m dvla.launch") -> argparse.ArgumentParser
     p.add_argument("--preset", default=DEFAULT_PRESET, help=f"one of: {', '.join(PRESETS)} (default: %(default)s)")
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file applied on top of the preset")
     p.add_argument("--print-config", action="store_true", help="check the config, print it as YAML and exit")
+    p.add_argument("--print-rank", nargs="?", const="all", metavar="RANKS",
+                   help="print what each rank of the job is made of (role, lanes, env groups, weights, process "
+                        "groups, channels, pools, streams) and exit; RANKS: 'all' (default) or e.g. 0,2. The world "
+                        "is swimlane.topology, or WORLD_SIZE processes on one host (1 outside torchrun)")
     p.add_argument("--resume", action="store_true", help="continue the newest run under run.out_dir (its "
                    "latest link, or run.out_dir/run.name) from its newest valid checkpoint (same as "
                    "run.resume=true)")
@@ -94,6 +98,31 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m dvla.laun
         cfg.run.resume = True
     check_config(cfg)
     return args, cfg
+
+
+def rank_plans(cfg, which: str = "all") -> str:
+    """``--print-rank``: the plans (:mod:`swimlane.plan`) of the ranks ``which`` names."""
+    from swimlane.build import check_world
+    from swimlane.plan import format_plan, plans_for
+
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if cfg.swimlane.topology:
+        from launch.topology import from_spec
+
+        try:
+            world = from_spec(cfg.swimlane.topology).world_size
+        except ValueError as exc:
+            raise ConfigError(f"swimlane.topology: {exc}") from None
+    check_world(cfg.swimlane, world)
+    try:
+        plans = plans_for(cfg, world)
+        ranks = range(world) if which == "all" else [int(r) for r in which.split(",")]
+    except ValueError as exc:
+        raise ConfigError(f"--print-rank: {exc}") from None
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise ConfigError(f"--print-rank: no rank {bad[0]} in a world of {world}")
+    return "\n".join(format_plan(plans[r]) for r in ranks)
 
 
 # -- logging ---------------------------------------------------------------------------------
@@ -236,6 +265,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m dvla.launch") -> 
         import yaml
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    if args.print_rank:
+        try:
+            print(rank_plans(cfg, args.print_rank))
+        except ConfigError as exc:
+            _say_error(exc)
+            return EXIT_USER_ERROR
         return 0
     return train(args, cfg)
 

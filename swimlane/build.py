@@ -1,7 +1,8 @@
 """What a rank builds before its lanes start: its place in the cluster, its memory pools,
 its process groups, its env groups, policy and algorithm, its weight buffers
 (double-buffered replicas, snapshot, broadcaster) and its ends of the data plane.
-Functions of the config and the rank; :class:`swimlane.rank.RankLanes` calls them in order."""
+Functions of the config and the rank's plan (:mod:`swimlane.plan`);
+:func:`swimlane.assemble.assemble` calls them in order."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from planes.data import (
     TrajectorySender,
     lookup_endpoints,
 )
-from swimlane.autotune import Knob, Setting, Tuner
+from swimlane.plan import RankPlan
 from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, RoutedSink
 from swimlane.weights import DoubleBufferedWeights
 
@@ -171,16 +172,15 @@ def check_policy_io(policy, name: str) -> None:
             raise ConfigError(f"{where}: shape {spec.shape} must be positive integers")
 
 
-def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Placement, groups: Groups,
+def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Groups,
                 memory: MemoryManager | None) -> Model:
-    """Env groups, policy and (on learners) the algorithm, seeded so that every driver and
-    every rank of a role builds the same weights."""
-    seed, sl = cfg.run.seed, cfg.swimlane
-    rollout, learner = rank in placement.rollout, rank in placement.learners
+    """Env groups, policy and (on learners) the algorithm, as ``plan`` says, seeded so that
+    every driver and every rank of a role builds the same weights."""
+    seed, rank = cfg.run.seed, plan.rank
     torch.manual_seed(seed)
     envs = []
     env_cfg = cfg.env.for_rank(rank)
-    if rollout:
+    if plan.rollout:
         envs = [make_env(env_cfg, device, seed=seed + 7919 * rank)]
         spec_ = envs[0].spec
     else:  # a learner-only rank needs the spec, not a simulator (where the env can tell)
@@ -188,13 +188,14 @@ def build_model(cfg: JobConfig, rank: int, device: torch.device, placement: Plac
     spec = PolicySpec.for_env(spec_, cfg.policy.action_chunk)
     policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
     check_policy_io(policy, cfg.policy.name)
-    if rollout:
-        envs += [make_env(env_cfg, device, seed=seed + 7919 * rank + 15485863 * g)
-                 for g in range(1, sl.env_groups + sl.spare_groups)]
+    envs += [make_env(env_cfg, device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, plan.env_groups)]
     algo = learn_gen = None
-    if learner:
-        sync = partial(allreduce_mean_grads, group=groups.learner) if sl.learner_ranks > 1 else None
-        pooled = memory is not None and not cfg.sharded_learners  # FSDP allocates a sharded learner's own
+    if plan.learner:
+        sync = None  # FSDP reduce-scatters its own gradients (dvla.sharding)
+        if plan.grad_sync in ("mean", "masked_mean"):
+            # Adaptive roles: a learner that sits an update out is left out of the mean.
+            sync = partial(allreduce_mean_grads, group=groups.learner, masked=plan.grad_sync == "masked_mean")
+        pooled = memory is not None and plan.grad_sync != "fsdp"  # FSDP allocates a sharded learner's own
         if pooled:  # the learner's weights live in persistent buckets
             flat_buckets(policy, alloc=persistent_alloc(memory), tag="policy")
         algo = build_algorithm(cfg.algo, policy, sync)
@@ -229,41 +230,36 @@ class WeightBuffers:
     bc: WeightBroadcaster | None  # the control plane (None in one process)
 
 
-def publish_dtype(sl: SwimlaneConfig, device: torch.device) -> torch.dtype:
-    """``swimlane.publish_dtype`` on ``device`` (``auto``: bf16 on CUDA, else fp32)."""
-    name = sl.publish_dtype if sl.publish_dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    return torch.bfloat16 if name == "bf16" else torch.float32
-
-
-def build_weights(policy, rank: int, world: int, control_group, stages, alloc, rollout: bool = True,
-                  dtype: torch.dtype = torch.float32, header_words: int = 0) -> WeightBuffers:
-    """Inference replicas (double-buffered), the learner's snapshot and the broadcaster,
-    all laid out in flat buckets (from the persistent pool when memory is managed), their
-    floating-point tensors in ``dtype`` (the publish dtype). The policy's frozen parameters
-    go over the control plane with the first version only. A rank that does not roll out
-    (``rollout`` false) holds no replicas: the source only its snapshot, any other rank
-    nothing (it relays each version bucket by bucket: :meth:`WeightBroadcaster.relay_buckets`).
-    ``header_words``: what travels with each version number (the rebalancing plan)."""
+def build_weights(policy, plan: RankPlan, control_group, stages, alloc, header_words: int = 0) -> WeightBuffers:
+    """The weight buffers ``plan.weights`` names, all laid out in flat buckets (from the
+    persistent pool when memory is managed), their floating-point tensors in the publish
+    dtype: inference replicas (double-buffered) on a rank that rolls out, the learner's
+    snapshot on rank 0, and the broadcaster. The policy's frozen parameters go over the
+    control plane with the first version only. A rank other than 0 that does not roll out
+    (``relay``) holds the layout only and relays each version bucket by bucket
+    (:meth:`WeightBroadcaster.relay_buckets`). ``header_words``: what travels with each
+    version number (the rebalancing plan)."""
+    dtype = torch.bfloat16 if plan.publish_dtype == "bf16" else torch.float32
     bcast = partial(WeightBroadcaster, src=0, group=control_group, stages=stages, frozen=frozen_names(policy),
                     header_words=header_words)
 
     def copy_of(model):
         return copy.deepcopy(model).requires_grad_(False).to(dtype)
 
-    if world > 1 and rank != 0 and not rollout:  # a relay: the layout only, on the meta device
+    if plan.weights == "relay":  # the layout only, on the meta device
         bc = bcast(layout_copy(policy, dtype), alloc=meta_alloc, device=next(policy.parameters()).device)
         return WeightBuffers(None, None, None, bc)
-    if world > 1 and rank == 0 and not rollout:
+    if plan.weights == "snapshot":
         snapshot = copy_of(policy)
         bc = bcast(snapshot, alloc=alloc)
         return WeightBuffers(None, snapshot, [b.flat for b in bc.buckets], bc)
     replicas = [copy_of(policy) for _ in range(2)]
-    if world == 1:
+    if plan.world_size == 1:
         snapshot = copy_of(policy)
         snap_flats = flat_buckets(snapshot, alloc=alloc, tag="snapshot")
         flats = [flat_buckets(r, alloc=alloc, tag=f"replica{i}") for i, r in enumerate(replicas)]
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, snap_flats, None)
-    if rank == 0:
+    if plan.weights == "replicas+snapshot":
         snapshot = copy_of(policy)
         bc = bcast(snapshot, alloc=alloc)
         flats = [bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
@@ -332,81 +328,3 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
         else:
             sink = sink_to(routes[rank])
     return source, sink, expected
-
-
-class CpuSplit:
-    """An autotune knob: the gradient lane's thread on one half of the rank's CPUs and the
-    rollout lanes' threads on the other (off: every thread may run on all of them)."""
-
-    ROLLOUT = ("sampling", "inference")
-
-    def __init__(self, cpus: list[int], tids: Callable[[], dict[str, int]]):
-        self.cpus, self.tids, self.on = cpus, tids, False
-
-    def set(self, on: int) -> None:
-        half = len(self.cpus) // 2
-        for lane, tid in self.tids().items():
-            if not on:
-                cpus = self.cpus
-            else:
-                cpus = self.cpus[half:] if lane == "gradient" else self.cpus[:half] if lane in self.ROLLOUT else None
-            if cpus is not None:
-                os.sched_setaffinity(tid, cpus)
-        self.on = bool(on)
-
-
-def tuner_for(sl: SwimlaneConfig, lane, inference, tids: Callable[[], dict[str, int]], ledger,
-              tracer, turns) -> Tuner | None:
-    """The resource manager of an async rank (``swimlane.autotune``), or None. Its knobs:
-    the env groups that step (``lane.active``), how long a forward pass waits for more
-    groups' requests (``inference.wait_s``, in ms), whether the lanes take turns (``turns``,
-    the rank's :class:`swimlane.lanes.turns.Turns`: ``swimlane.take_turns``), the gradient
-    lane's niceness, torch's intra-op threads and whether the gradient lane's thread and the rollout lanes' threads run on separate halves
-    of the rank's CPUs (``split_cpus``), and on a GPU with ``swimlane.cuda_streams``
-    whether the inference stream runs at the highest priority (``inference_priority``).
-    ``tids()``: the lanes' native thread ids by lane name, of those running."""
-    if not sl.autotune:
-        return None
-
-    def set_groups(v: int) -> None:
-        lane.active = v
-
-    def gradient_tid() -> int | None:
-        return tids().get("gradient")
-
-    def get_nice() -> int:
-        tid = gradient_tid()
-        return sl.gradient_nice if tid is None else os.getpriority(os.PRIO_PROCESS, tid)
-
-    def set_nice(v: int) -> None:
-        tid = gradient_tid()
-        if tid is None:
-            raise OSError("the gradient lane runs on another rank or has not started")
-        os.setpriority(os.PRIO_PROCESS, tid, v)
-
-    def set_wait(ms: int) -> None:
-        inference.wait_s = ms / 1000.0
-
-    def overlapping(v: dict[str, int]) -> bool:  # while the lanes take turns they never compete
-        return not v["take_turns"]
-
-    settings = [Setting(Knob("env_groups", 1, sl.env_groups), lambda: lane.active, set_groups),
-                Setting(Knob("take_turns", 0, 1), lambda: int(turns.on), lambda v: turns.set(bool(v)))]
-    if sl.env_groups > 1:  # a wait for more groups' requests, which only lanes that overlap make
-        settings.append(Setting(Knob("inference_wait_ms", 0, 8, step=2), lambda: round(inference.wait_s * 1000),
-                                set_wait, needs=lambda v: overlapping(v) and v["env_groups"] > 1))
-    if gradient_tid() is not None or sl.gradient_nice:
-        settings.append(Setting(Knob("gradient_nice", 0, 15, step=5), get_nice, set_nice, needs=overlapping))
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cpus) > 1:
-        settings.append(Setting(Knob("torch_threads", 1, len(cpus)), torch.get_num_threads, torch.set_num_threads))
-        if gradient_tid() is not None:
-            split = CpuSplit(cpus, tids)
-            settings.append(Setting(Knob("split_cpus", 0, 1), lambda: int(split.on), split.set, needs=overlapping))
-    stream = getattr(inference, "stream", None)
-    if stream is not None and stream.can_prioritise:
-        settings.append(Setting(Knob("inference_priority", 0, 1), lambda: int(stream.high_priority),
-                                lambda v: stream.set_high_priority(bool(v))))
-    prefer = {"sampling": ("gradient_nice", 1), "gradient": ("env_groups", -1), "inference": ("inference_wait_ms", 1),
-              "contention": ("take_turns", 1)}
-    return Tuner(settings, ledger=ledger, tracer=tracer, window_s=sl.autotune_window_s, log=log, prefer=prefer)

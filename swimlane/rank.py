@@ -1,13 +1,11 @@
-"""A rank's parts: what it builds (placement, memory, env groups, policy, algorithm,
-process groups, weight buffers, data plane, checkpoints), its four lanes wired to their
-channels, and the run's side of each learner update (metrics, checkpoint, snapshot).
-:class:`swimlane.runner.Swimlane` runs them."""
+"""A rank: its parts (built from its plan by :func:`swimlane.assemble.assemble`), its four
+lanes wired to their channels, and the run's side of each learner update (metrics,
+checkpoint, snapshot). :class:`swimlane.runner.Swimlane` runs them."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -15,35 +13,19 @@ from typing import Any, Callable
 
 import torch
 
-from dvla.checkpoint import CheckpointManager
 from dvla.config import JobConfig
-from dvla.distributed import resolve_device, sum_over_group
+from dvla.distributed import sum_over_group
 from dvla.metrics import MetricsLogger
 from dvla.rollout import EPISODE_TOTALS, cameras_of, episode_means, episode_totals
 from dvla.sharding import learner_bytes
 from dvla.types import RolloutBatch
 from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig
-from swimlane.agreement import agree
-from swimlane.balance import WORDS_PER_RANK, Plan
-from swimlane.chunks import RoutedSink
-from swimlane.imbalance import RankBalance
-from swimlane.build import (
-    tuner_for,
-    build_data_plane,
-    build_groups,
-    build_memory,
-    build_model,
-    build_weights,
-    check_world,
-    memory_metrics,
-    persistent_alloc,
-    place_ranks,
-    prepare_learner,
-    publish_dtype,
-)
+from swimlane.assemble import assemble, restarts_from_env
+from swimlane.balance import Plan
+from swimlane.build import memory_metrics
 from swimlane.channels import LocalChannel
-from swimlane.checkpointing import RunCheckpoints, resume_learner, truncate_metrics
+from swimlane.chunks import RoutedSink
 from swimlane.driver import lower_thread_priority
 from swimlane.health import StallTimer, check_senders, check_stall
 from swimlane.lanes import (
@@ -61,11 +43,9 @@ from swimlane.lanes import (
 )
 from swimlane.lanes.turns import Turns
 from swimlane.ledger import Ledger, chunk_accounting
-from swimlane.ordering import CollectiveOrder
 from swimlane.snapshots import check_finite, copy_into_snapshot
-from swimlane.streams import LaneStream
 from swimlane.trace import Tracer
-from swimlane.validate import ChunkSpec
+from swimlane.tuning import tuner_for
 
 log = logging.getLogger("dvla.swimlane")
 _POLL_S = 0.05
@@ -80,18 +60,27 @@ class RankLanes:
         record written to ``metrics.jsonl`` (for live displays and custom logging)."""
         cfg.validate()
         sl = cfg.swimlane
-        check_world(sl, world_size)
-        self.cfg, self.rank, self.world_size = cfg, rank, world_size
+        self.cfg, self.rank, self.world_size, self.sl = cfg, rank, world_size, sl
         self.on_update = on_update
-        self.sl = sl
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
-        self.device = resolve_device(cfg.run.device)
-        self.topology, self.placement = place_ranks(sl, rank, world_size)
-        pl = self.placement
-        self.is_learner = rank in pl.learners
-        self.is_rollout = rank in pl.rollout
-        self.rollout_ranks = pl.rollout
+        self.restarts = restarts_from_env()
+        parts = assemble(cfg, rank, world_size, data_plane, restarts=self.restarts, poll_s=_POLL_S)
+        self.plan, self.device = parts.plan, parts.device  # what this rank is made of (swimlane/plan.py)
+        self.topology, self.placement = parts.topology, parts.placement
+        self.is_learner, self.is_rollout = self.plan.learner, self.plan.rollout
+        self.rollout_ranks = self.placement.rollout
+        self.memory, self.host_pool, self.streams, self.groups = (parts.memory, parts.host_pool, parts.streams,
+                                                                  parts.groups)
+        self.envs, self.policy, self.algo = parts.envs, parts.policy, parts.algo
+        self.sample_gen, self.learn_gen, self.chunk_spec = parts.sample_gen, parts.learn_gen, parts.chunk_spec
+        self.checkpoints, self.balance, self.order = parts.checkpoints, parts.balance, parts.order
+        self.ckpt = self.checkpoints.manager if self.checkpoints is not None else None
+        self.weights, self.snapshot, self.snap_flats, self.bc = (parts.weights, parts.snapshot, parts.snap_flats,
+                                                                 parts.bc)
+        self.source, self.sink, self.expected_senders = parts.source, parts.sink, parts.expected_senders
+        self.publish_dtype = torch.bfloat16 if self.plan.publish_dtype == "bf16" else torch.float32
+
         self.group_size = cfg.algo.group_size if cfg.algo.name == "grpo" else 1
         self.iterations = cfg.run.iterations
         self.out_dir = Path(cfg.run.out_dir)
@@ -100,60 +89,20 @@ class RankLanes:
         self.rollout_stop = threading.Event()  # the learner is done: rollout lanes wind down
         self.lanes_left_running: list[str] = []  # lanes (by name) still blocked when run() returned
         self.learner_done = threading.Event()
-
-        self.memory, self.host_pool = build_memory(cfg, self.device)
-        self.streams = {"inference": LaneStream(self.device, sl.cuda_streams, priority=-1),
-                        "gradient": LaneStream(self.device, sl.cuda_streams)}
-
-        self.groups = build_groups(sl, world_size, pl, self.device)
-        model = build_model(cfg, rank, self.device, pl, self.groups, self.memory)
-        self.envs, self.policy, self.algo = model.envs, model.policy, model.algo
-        self.chunk_spec = ChunkSpec.for_policy(self.policy, cfg.env.n_envs, cfg.chunk_len)
-        self.sample_gen, self.learn_gen = model.sample_gen, model.learn_gen
-
-        # Checkpoints: learners resume from the newest valid one (``run.resume``, or when
-        # torchrun restarted this worker group); rank 0 writes them.
-        self.version = 0
-        self.restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-        self.resumed_from: int | None = None
+        self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
+        self.version, self.resumed_from = 0, None
+        if parts.resumed is not None:
+            self.version = self.resumed_from = parts.resumed.version
+            self.ledger.carry(parts.resumed.counters, parts.resumed.env_steps)
         self.time_up = False  # run.time_limit_s reached
+        self.learning = rank == 0 or sl.roles == "fixed"  # this rank learns in the next update
+
+        # Lane state.
         self._sampling: SamplingLane | None = None
         self._inference: InferenceLane | None = None
         self._tids: dict[str, int] = {}  # the lanes' native thread ids, for swimlane.autotune
         self.tuner = None  # swimlane.autotune's, once the lanes it adjusts run
         self.turns = Turns(self.sl.take_turns)  # overlapping lanes, or taking turns (an autotune knob)
-        self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
-        self.ckpt = self.checkpoints = None
-        if self.is_learner:
-            self.ckpt = CheckpointManager(self.out_dir / "checkpoints", keep=cfg.run.keep_checkpoints)
-            generators = {"learn": self.learn_gen, **({"sample": self.sample_gen} if rank == 0 else {})}
-            self.checkpoints = RunCheckpoints(self.ckpt, self.policy, self.algo, generators)
-            self._start_learner(resume=cfg.run.resume or self.restarts > 0)
-
-        self.publish_dtype = publish_dtype(sl, self.device)
-        # Imbalance between rollout ranks and who learns: measured by every learner, planned by
-        # rank 0, the plan sent with each version (swimlane/imbalance.py, swimlane/roles.py).
-        self.balance = RankBalance(sl, rank, world_size, pl, self.groups.learner)
-        self.learning = rank == 0 or sl.roles == "fixed"  # this rank learns in the next update
-        buffers = build_weights(self.policy, rank, world_size, self.groups.control, self.groups.stages,
-                                persistent_alloc(self.memory), rollout=self.is_rollout, dtype=self.publish_dtype,
-                                header_words=WORDS_PER_RANK * world_size if self.balance.planning else 0)
-        self.weights, self.snapshot, self.snap_flats, self.bc = (buffers.weights, buffers.snapshot,
-                                                                 buffers.snap_flats, buffers.bc)
-        if self.is_learner:  # after agreeing on (or resuming) the whole state, and copying it
-            prepare_learner(cfg, self.algo, self.groups, self.memory)
-        if self.memory is not None:
-            self.memory.persistent.seal()  # from here on, only the transient pool allocates
-        self.source, self.sink, self.expected_senders = build_data_plane(
-            sl, data_plane or cfg.data_plane, rank, world_size, self.placement, self.topology,
-            limits=self.chunk_spec.message_limits(), fields=self.chunk_spec.optional_fields(),
-            routes=self.balance.routes)
-
-        # One order of collectives on a learner of several (swimlane/ordering.py).
-        self.order = CollectiveOrder(enabled=self.is_learner and sl.learner_ranks > 1, start=self.version,
-                                     every=sl.broadcast_every, last=self.iterations, poll_s=_POLL_S)
-
-        # Lane state.
         self._requests: LocalChannel[Request] = LocalChannel()  # sampling -> inference
         self._replies: LocalChannel[Reply] = LocalChannel()  # inference -> sampling
         self.slot = SnapshotSlot()  # learner lane -> publish lane (rank 0)
@@ -178,22 +127,6 @@ class RankLanes:
     def total_counters(self) -> dict[str, int]:
         """This attempt's counters plus those of the attempts before a resume."""
         return self.ledger.totals()
-
-    def _start_learner(self, resume: bool) -> None:
-        """Load the newest checkpoint (when resuming); with several learners, make them
-        agree on one starting state, rank 0's (:mod:`swimlane.agreement`)."""
-        got = resume_learner(self.checkpoints, resume=resume, restarts=self.restarts, rank=self.rank,
-                             learner_ranks=self.sl.learner_ranks, agree_on=lambda got, error: agree(
-                                 self.checkpoints, got, group=self.groups.learner, learners=self.placement.learners,
-                                 rank=self.rank, device=self.device, error=error))
-        if got is None:
-            return
-        self.version = self.resumed_from = got.version
-        self.ledger.carry(got.counters, got.env_steps)
-        if self.rank == 0:
-            (log.warning if self.restarts else log.info)("resumed from %s (version %d, restart %d)", got.path,
-                                                         self.version, self.restarts)
-            truncate_metrics(self.out_dir / "metrics.jsonl", self.version)
 
     # -- lane plumbing ---------------------------------------------------------------------
 

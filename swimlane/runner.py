@@ -71,15 +71,11 @@ class Swimlane(RankLanes):
         return self.driver.errors
 
     def _lanes(self) -> dict[str, Callable[[], None]]:
-        """This rank's lanes, by its role: the one place that decides which lanes run."""
-        lanes: dict[str, Callable[[], None]] = {}
-        if self.is_learner:
-            lanes["gradient"] = self._gradient_lane
-        lanes["broadcast"] = self._broadcast_lane if self.rank == 0 else self._receive_lane
-        if self.is_rollout:
-            lanes["inference"] = self._inference_lane
-            lanes["sampling"] = self._sampling_lane
-        return lanes
+        """The lanes this rank's plan names (:mod:`swimlane.plan`), in start order."""
+        run = {"gradient": self._gradient_lane, "broadcast": self._broadcast_lane, "receive": self._receive_lane,
+               "relay": self._receive_lane, "inference": self._inference_lane, "sampling": self._sampling_lane}
+        # The weights lane is called "broadcast" on every rank (traces, summaries).
+        return {("broadcast" if lane in ("receive", "relay") else lane): run[lane] for lane in self.plan.lanes}
 
     def _run_serial(self) -> None:
         """``swimlane.driver=serial``: all four lanes in this thread (sync mode, one process)."""

@@ -246,7 +246,7 @@ def test_cpu_knobs_pin_the_lanes_threads_and_set_torch_threads():
     import torch
 
     from dvla.config import SwimlaneConfig
-    from swimlane.build import tuner_for
+    from swimlane.tuning import tuner_for
     from swimlane.lanes.turns import Turns
     from swimlane.ledger import Ledger
     from swimlane.trace import Tracer

@@ -1,0 +1,148 @@
+"""A rank's parts, built from its plan (:mod:`swimlane.plan`) in one straight pass.
+
+:func:`assemble` is the only caller of the builders in :mod:`swimlane.build`, and calls
+them in the order their parts depend on each other: memory pools and streams, process
+groups, envs, policy and algorithm, the starting state (a resumed checkpoint, agreed by
+every learner), the imbalance planner, weight buffers, learner sharding, the data plane
+and the learners' order of collectives. :class:`swimlane.rank.RankLanes` wires the parts
+to its lanes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dvla.checkpoint import CheckpointManager
+from dvla.config import JobConfig
+from dvla.distributed import resolve_device
+from launch.placement import Placement
+from launch.topology import Topology
+from planes.data import DataPlaneConfig
+from swimlane.agreement import agree
+from swimlane.balance import WORDS_PER_RANK
+from swimlane.build import (
+    Groups,
+    build_data_plane,
+    build_groups,
+    build_memory,
+    build_model,
+    build_weights,
+    check_world,
+    persistent_alloc,
+    place_ranks,
+    prepare_learner,
+)
+from swimlane.checkpointing import Resumed, RunCheckpoints, resume_learner, truncate_metrics
+from swimlane.imbalance import RankBalance
+from swimlane.ordering import CollectiveOrder
+from swimlane.plan import RankPlan, plan_rank
+from swimlane.streams import LaneStream
+from swimlane.validate import ChunkSpec
+
+log = logging.getLogger("dvla.swimlane")
+
+
+@dataclass
+class RankParts:
+    plan: RankPlan
+    device: torch.device
+    topology: Topology
+    placement: Placement
+    memory: Any  # memory.MemoryManager, or None (memory.enabled=false)
+    host_pool: Any  # the pool rollout buffers come from
+    streams: dict[str, LaneStream]
+    groups: Groups
+    envs: list
+    policy: torch.nn.Module
+    algo: Any  # learners only
+    sample_gen: torch.Generator
+    learn_gen: torch.Generator | None
+    chunk_spec: ChunkSpec
+    checkpoints: RunCheckpoints | None  # learners only
+    resumed: Resumed | None
+    balance: RankBalance
+    weights: Any  # DoubleBufferedWeights (rollout ranks)
+    snapshot: Any  # rank 0
+    snap_flats: list[torch.Tensor] | None
+    bc: Any  # WeightBroadcaster (several processes)
+    source: Any  # where chunks arrive (learners)
+    sink: Any  # where chunks go (rollout ranks)
+    expected_senders: list[str]
+    order: CollectiveOrder
+
+
+def plan_of(cfg: JobConfig, rank: int = 0, world_size: int = 1) -> tuple[RankPlan, Topology, Placement]:
+    """The rank's plan, with the topology (given, or discovered through the store) and the
+    placement it was made from."""
+    check_world(cfg.swimlane, world_size)
+    topology, placement = place_ranks(cfg.swimlane, rank, world_size)
+    return plan_rank(cfg, rank, topology, placement, resolve_device(cfg.run.device)), topology, placement
+
+
+def assemble(cfg: JobConfig, rank: int = 0, world_size: int = 1, data_plane: DataPlaneConfig | None = None,
+             restarts: int = 0, poll_s: float = 0.05) -> RankParts:
+    """Everything a rank needs before its lanes start, built as its plan says."""
+    sl = cfg.swimlane
+    plan, topology, placement = plan_of(cfg, rank, world_size)
+    device = torch.device(plan.device)
+    memory, host_pool = build_memory(cfg, device)
+    streams = {"inference": LaneStream(device, sl.cuda_streams, priority=-1),
+               "gradient": LaneStream(device, sl.cuda_streams)}
+    groups = build_groups(sl, world_size, placement, device)
+    model = build_model(cfg, plan, device, groups, memory)
+    chunk_spec = ChunkSpec.for_policy(model.policy, cfg.env.n_envs, cfg.chunk_len)
+
+    checkpoints = resumed = None
+    if plan.learner:  # learners resume from the newest valid checkpoint; rank 0 writes them
+        manager = CheckpointManager(Path(cfg.run.out_dir) / "checkpoints", keep=cfg.run.keep_checkpoints)
+        generators = {"learn": model.learn_gen, **({"sample": model.sample_gen} if rank == 0 else {})}
+        checkpoints = RunCheckpoints(manager, model.policy, model.algo, generators)
+        resumed = _resume(cfg, checkpoints, rank, restarts, groups, placement, device)
+
+    # Imbalance between rollout ranks and who learns: measured by every learner, planned by
+    # rank 0, the plan sent with each version (swimlane/imbalance.py, swimlane/roles.py).
+    balance = RankBalance(sl, rank, world_size, placement, groups.learner)
+    buffers = build_weights(model.policy, plan, groups.control, groups.stages, persistent_alloc(memory),
+                            header_words=WORDS_PER_RANK * world_size if balance.planning else 0)
+    if plan.learner:  # after agreeing on (or resuming) the whole state, and copying it
+        prepare_learner(cfg, model.algo, groups, memory)
+    if memory is not None:
+        memory.persistent.seal()  # from here on, only the transient pool allocates
+    source, sink, expected = build_data_plane(
+        sl, data_plane or cfg.data_plane, rank, world_size, placement, topology,
+        limits=chunk_spec.message_limits(), fields=chunk_spec.optional_fields(), routes=balance.routes)
+    # One order of collectives on a learner of several (swimlane/ordering.py).
+    order = CollectiveOrder(enabled=plan.learner and sl.learner_ranks > 1,
+                            start=resumed.version if resumed is not None else 0,
+                            every=sl.broadcast_every, last=cfg.run.iterations, poll_s=poll_s)
+    return RankParts(plan, device, topology, placement, memory, host_pool, streams, groups, model.envs,
+                     model.policy, model.algo, model.sample_gen, model.learn_gen, chunk_spec, checkpoints, resumed,
+                     balance, buffers.weights, buffers.snapshot, buffers.snap_flats, buffers.bc, source, sink,
+                     expected, order)
+
+
+def _resume(cfg: JobConfig, checkpoints: RunCheckpoints, rank: int, restarts: int, groups: Groups,
+            placement: Placement, device: torch.device) -> Resumed | None:
+    """The learner's starting state: the newest checkpoint (``run.resume``, or when torchrun
+    restarted this worker group), which several learners agree on (rank 0's:
+    :mod:`swimlane.agreement`); None to start fresh."""
+    got = resume_learner(checkpoints, resume=cfg.run.resume or restarts > 0, restarts=restarts, rank=rank,
+                         learner_ranks=cfg.swimlane.learner_ranks, agree_on=lambda got, error: agree(
+                             checkpoints, got, group=groups.learner, learners=placement.learners, rank=rank,
+                             device=device, error=error))
+    if got is not None and rank == 0:
+        (log.warning if restarts else log.info)("resumed from %s (version %d, restart %d)", got.path,
+                                                got.version, restarts)
+        truncate_metrics(Path(cfg.run.out_dir) / "metrics.jsonl", got.version)
+    return got
+
+
+def restarts_from_env() -> int:
+    """How often torchrun restarted this worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
