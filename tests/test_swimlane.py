@@ -53,7 +53,9 @@ def test_serial_driver_equals_threaded_sync_mode_and_the_synchronous_trainer(tmp
         runs[driver] = lanes
     ref, a = runs["serial"], read_metrics(tmp_path / "serial" / "metrics.jsonl")
     for got, want in zip([(r["return_mean"], r["loss"]) for r in a], PINNED[algo], strict=True):
-        assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
+        # abs: float32 rounding of a loss near zero (2e-5, a sum of terms of about 1e-2) differs
+        # between CPUs by about 1e-8; the drivers below must still agree bit for bit.
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-7)
     for driver, lanes in runs.items():
         b = read_metrics(tmp_path / driver / "metrics.jsonl")
         for ra, rb in zip(a, b, strict=True):
