@@ -7,7 +7,8 @@
     dvla eval [RUN_DIR] --suite libero_spatial   success per task over the suite's fixed initial states
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
     dvla plan --params token_vla:size=7b         ... for a registered policy's parameter count
-    dvla config-ref [--write README.md]          the configuration reference, from the code
+    dvla config-ref [--write [FILE]]             the configuration reference, from the code
+                                                 (--write: into docs/configuration.md)
     dvla bench [NAME [ARGS ...]]                 list the benchmarks, or run bench/NAME.py
 
 RUN_DIR defaults to the newest run under runs/; a base directory (run.out_dir) means

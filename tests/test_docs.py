@@ -1,21 +1,31 @@
-"""The README's configuration reference is generated from the config dataclasses and must
-match them; every config field carries its own documentation."""
+"""The documentation: the configuration reference in docs/configuration.md is generated from
+the config dataclasses and must match them (every config field carries its own
+documentation); the site in docs/ builds without a warning; the README stays a short front
+page with the two commands."""
 
 import dataclasses
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from dvla.cli import main as cli
 from dvla.config import JobConfig
-from dvla.config_doc import BEGIN, END, field_docs, reference, rows, write
+from dvla.config_doc import BEGIN, DOC_PAGE, END, field_docs, reference, rows, write
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+CONFIG_PAGE = DOCS / "configuration.md"
 
 
-def test_readme_config_reference_is_current():
-    text = README.read_text()
-    assert reference() in text, "README.md is out of date: run `dvla config-ref --write README.md`"
+def test_config_reference_is_current():
+    assert DOC_PAGE == CONFIG_PAGE
+    text = CONFIG_PAGE.read_text()
+    assert BEGIN in text and "dvla config-ref --write docs/configuration.md" in BEGIN
+    assert reference() in text, "docs/configuration.md is out of date: run `dvla config-ref --write`"
 
 
 def test_every_field_of_every_section_is_listed_with_its_default():
@@ -53,3 +63,41 @@ def test_write_replaces_only_the_marked_block(tmp_path, capsys):
     assert text.startswith("intro\n") and text.endswith("\noutro\n") and "OLD TABLE" not in text
     assert reference() in text and not write(doc)  # second write: already current
     assert "updated" in capsys.readouterr().out
+
+
+def test_write_without_a_path_writes_the_docs_page(monkeypatch, tmp_path, capsys):
+    page = tmp_path / "configuration.md"
+    page.write_text(f"{BEGIN}\nOLD\n{END}\n")
+    monkeypatch.setattr("dvla.config_doc.DOC_PAGE", page)
+    assert cli(["config-ref", "--write"]) == 0
+    assert reference() in page.read_text() and "updated" in capsys.readouterr().out
+
+
+def test_readme_is_a_short_front_page_with_the_two_commands():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 220, "README.md is the front page: move details into docs/"
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    install = ('python3 -m venv .venv && . .venv/bin/activate && pip install "torch==2.13.0" '
+               '-e ".[dev,vla]" && python -m dvla.launch')
+    assert any(install in b.splitlines() for b in blocks), "the install-and-run command, alone on its line"
+    assert any("python -m pytest -q" in b.splitlines() for b in blocks), "the test command, alone on its line"
+
+
+def test_every_docs_page_is_in_the_index_toctree():
+    index = (DOCS / "index.md").read_text()
+    toctree = re.search(r"```\{toctree\}\n(.*?)```", index, re.S)
+    assert toctree, "docs/index.md has no toctree"
+    entries = {line.strip() for line in toctree.group(1).splitlines()
+               if line.strip() and not line.strip().startswith(":")}
+    pages = {p.stem for p in DOCS.glob("*.md")} - {"index"}
+    assert pages <= entries, f"pages outside the toctree: {sorted(pages - entries)}"
+
+
+def test_docs_build_strictly(tmp_path):
+    """The site builds with every warning an error: broken links, missing references and pages
+    outside the toctree fail it."""
+    pytest.importorskip("sphinx")
+    pytest.importorskip("myst_parser")
+    out = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-n", "-q", "-b", "html",
+                          str(DOCS), str(tmp_path / "html")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"sphinx build failed:\n{out.stdout}\n{out.stderr}"
