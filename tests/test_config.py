@@ -172,3 +172,182 @@ def test_listed_curve_keys_need_persistent_client_keys(tmp_path):
                                   f"data_plane.curve_keys_dir={tmp_path}"]).validate()
     apply_overrides(debug(), ["data_plane.curve=true", f"data_plane.curve_authorized_dir={tmp_path / 'pub'}",
                               f"data_plane.curve_keys_dir={tmp_path}"]).validate()
+
+
+# --------------------------------------------------------------------------------------
+# One rule checks every numeric field: type, finiteness, declared range
+# --------------------------------------------------------------------------------------
+
+BOUND_KEYS = ("ge", "gt", "le", "lt")
+
+
+def _numeric_leaves(cls=JobConfig, prefix=""):
+    """``(dotted path, field, is_float)`` for every numeric leaf field under dataclass ``cls``:
+    a field whose type is ``int`` or ``float`` (``None`` allowed beside it), found by walking
+    the nested dataclasses, so that a new field is covered without listing it here."""
+    import dataclasses
+    import types
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            yield from _numeric_leaves(tp, f"{prefix}{f.name}.")
+            continue
+        members = typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else (tp,)
+        members = [m for m in members if m is not type(None)]
+        if members and all(m in (int, float) for m in members):
+            yield f"{prefix}{f.name}", f, float in members
+
+
+def _with(cfg, path, value):
+    """``cfg`` with the field at dotted ``path`` set to ``value`` (nothing validated)."""
+    import dataclasses
+
+    head, _, rest = path.partition(".")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(cfg, **{head: _with(getattr(cfg, head), rest, value)})
+
+
+def _outside(f, is_float):
+    """Values just outside each declared bound of field ``f``."""
+    step = 0.5 if is_float else 1
+    out = []
+    for key in BOUND_KEYS:
+        if key in f.metadata:
+            b = f.metadata[key]
+            out.append({"ge": b - step, "gt": b, "le": b + step, "lt": b}[key])
+    return out
+
+
+NUMERIC = list(_numeric_leaves())
+
+
+def test_the_walk_finds_the_numeric_fields_of_every_section():
+    paths = {p for p, _, _ in NUMERIC}
+    assert {"env.n_envs", "algo.lr", "run.seed", "swimlane.stall_timeout_s", "data_plane.send_timeout_s",
+            "data_plane.send_hwm"} <= paths
+    assert {p.split(".")[0] for p in paths} == {"env", "policy", "algo", "run", "swimlane", "data_plane"}
+    assert not any(p.startswith("memory.") for p in paths)  # budgets: bytes, sizes or fractions (parse_budget)
+
+
+@pytest.mark.parametrize("path, f, is_float", NUMERIC, ids=[p for p, _, _ in NUMERIC])
+def test_every_numeric_field_declares_bounds(path, f, is_float):
+    assert any(k in f.metadata for k in BOUND_KEYS), f"{path}: declare its range (ge/gt/le/lt) in the metadata"
+
+
+@pytest.mark.parametrize("path, f, is_float", NUMERIC, ids=[p for p, _, _ in NUMERIC])
+def test_every_numeric_field_rejects_non_finite_and_out_of_range_values(path, f, is_float):
+    import re
+
+    base = JobConfig()
+    base.validate()
+    bad = _outside(f, is_float)
+    if is_float and not f.metadata.get("allow_inf"):
+        bad += [float("nan"), float("inf"), float("-inf")]
+    elif is_float:
+        bad += [float("nan")]
+    assert bad, path
+    for value in bad:
+        # the field, what it allows and the value given, on one line
+        with pytest.raises(ConfigError, match=rf"^invalid configuration: {re.escape(path)}: must be [^;]+, "
+                                              rf"got {re.escape(repr(value))}$"):
+            _with(base, path, value).validate()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.lr=nan", r"algo\.lr: must be > 0 and finite, got nan"),
+    ("algo.max_grad_norm=inf", r"algo\.max_grad_norm: must be > 0 and finite, got inf"),
+    ("swimlane.stall_timeout_s=nan", r"swimlane\.stall_timeout_s: must be >= 0 and finite, got nan"),
+    ("run.time_limit_s=inf", r"run\.time_limit_s: must be >= 0 and finite, got inf"),
+    ("data_plane.send_timeout_s=-1", r"data_plane\.send_timeout_s: must be in \[0, .*\], got -1"),
+    ("run.seed=1e23", r"run\.seed: expected int, got 1e\+23"),
+    (f"run.seed={10**23}", r"run\.seed: must be in \[0, 2\*\*63\), got 100000000000000000000000"),
+    ("run.seed=-1", r"run\.seed: must be in \[0, 2\*\*63\), got -1"),
+    ("algo.gamma=nan", r"algo\.gamma: must be in \[0, 1\], got nan"),
+    ("algo.adv_eps=0", r"algo\.adv_eps: must be > 0"),
+])
+def test_guards_that_nan_inf_or_a_huge_int_used_to_slip_past(override, message):
+    with pytest.raises(ConfigError, match=rf"^invalid configuration: (.*; )?{message}"):
+        apply_overrides(get_preset("debug"), [override]).validate()
+
+
+def test_the_largest_seed_is_accepted():
+    apply_overrides(get_preset("debug"), [f"run.seed={2**63 - 1}"]).validate()
+
+
+def test_the_data_planes_own_check_reads_the_same_bounds():
+    """A plane used on its own (TrajectorySender/Receiver call planes.config.check) reports
+    what a job's validation reports for the same value."""
+    import dataclasses
+
+    from planes.config import DataPlaneConfig, DataPlaneConfigError, check
+
+    with pytest.raises(DataPlaneConfigError, match=r"data_plane\.send_timeout_s: must be in \[0, .*\], got -1"):
+        check(DataPlaneConfig(send_timeout_s=-1))
+    with pytest.raises(DataPlaneConfigError, match=r"data_plane\.peer_timeout_s: must be > 0 and finite, got nan"):
+        check(DataPlaneConfig(peer_timeout_s=float("nan")))
+    check(DataPlaneConfig())
+    fields = [(p.split(".", 1)[1], f, is_float) for p, f, is_float in NUMERIC if p.startswith("data_plane.")]
+    assert len(fields) == 8
+    for name, f, is_float in fields:
+        for value in _outside(f, is_float) + ([float("nan"), float("inf")] if is_float else []):
+            with pytest.raises(DataPlaneConfigError) as plane:
+                check(DataPlaneConfig(**{name: value}))
+            with pytest.raises(ConfigError) as job:
+                dataclasses.replace(JobConfig(), data_plane=DataPlaneConfig(**{name: value})).validate()
+            assert str(plane.value) == str(job.value), (name, value)
+
+
+def test_memory_budgets_reject_non_finite_fractions():
+    for value in ("nan", "inf", "-inf", "-1"):
+        with pytest.raises(ConfigError, match=r"memory\.persistent_budget: invalid memory budget"):
+            apply_overrides(get_preset("debug"), [f"memory.persistent_budget={value}"]).validate()
+
+
+def test_cross_field_rules_run_once_every_field_is_in_range():
+    # an out-of-range field is reported alone, not also by a rule that compares it with others
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(get_preset("debug"), ["swimlane.spare_groups=-1"]).validate()
+    assert str(info.value) == "invalid configuration: swimlane.spare_groups: must be >= 0, got -1"
+    with pytest.raises(ConfigError, match=r"swimlane\.role_low: needs 0 < role_low < role_high < 1"):
+        apply_overrides(get_preset("debug"), ["swimlane.role_low=0.6"]).validate()
+
+
+def test_a_bounded_toy_section():
+    import dataclasses
+
+    from dvla.config import bounded, validate
+
+    @dataclasses.dataclass(kw_only=True)
+    class Toy:
+        n: int = bounded(1, ge=1)
+        frac: float = bounded(0.5, ge=0, le=1)
+        scale: float = bounded(1.0, gt=0, allow_inf=True)
+        free: float = 0.0
+
+    validate(Toy(scale=float("inf")))
+    for kwargs, message in [({"n": 0}, r"n: must be >= 1, got 0"),
+                            ({"frac": 1.5}, r"frac: must be in \[0, 1\], got 1\.5"),
+                            ({"scale": float("nan")}, r"scale: must be > 0, got nan"),
+                            ({"free": float("-inf")}, r"free: must be finite, got -inf"),
+                            ({"n": 1.0}, r"n: expected int, got 1\.0")]:
+        with pytest.raises(ConfigError, match=rf"^invalid configuration: toy\.{message}$"):
+            validate(Toy(**kwargs), "toy.")
+    with pytest.raises(TypeError):
+        bounded(1, gte=1)  # a misspelt bound is an error, not silently unchecked
+
+
+def test_a_nan_on_the_command_line_is_one_line_and_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "dvla.launch", "--preset", "debug", "algo.lr=nan", "--print-config"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("dvla: error: ") and "algo.lr: must be > 0 and finite, got nan" in lines[0], lines[0]
+    assert not proc.stdout.strip()  # no config printed

@@ -1,0 +1,83 @@
+"""The learning algorithm's section of the job configuration (``algo.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from dvla.config.rules import bounded
+
+
+@dataclass(kw_only=True)
+class AlgoConfig:
+    """Policy-gradient algorithm and its hyper-parameters."""
+
+    name: Literal["grpo", "ppo"] = "grpo"
+    """``grpo`` (group-relative, critic-free) or ``ppo`` (GAE with a value head)."""
+    lr: float = bounded(3e-4, gt=0)
+    """Adam learning rate."""
+    group_size: int = bounded(8, ge=1)
+    """GRPO: rollouts per group that start from an identical initial state."""
+    update_epochs: int = bounded(2, ge=1)
+    """Passes over each batch."""
+    minibatches: int = bounded(4, ge=1)
+    """Minibatches per pass."""
+    clip_eps: float = bounded(0.2, gt=0, lt=1)
+    """Clip range of the PPO surrogate."""
+    entropy_coef: float = bounded(0.0, ge=0)
+    """Weight of the entropy bonus."""
+    kl_coef: float = bounded(0.0, ge=0)
+    """GRPO: weight of the KL penalty to the initial (reference) policy; 0 disables it."""
+    value_coef: float = bounded(0.5, ge=0)
+    """PPO: weight of the value loss."""
+    gamma: float = bounded(0.99, ge=0, le=1)
+    """PPO: discount."""
+    gae_lambda: float = bounded(0.95, ge=0, le=1)
+    """PPO: GAE lambda."""
+    max_grad_norm: float = bounded(1.0, gt=0)
+    """Gradient clipping (global norm)."""
+    adv_eps: float = bounded(1e-6, gt=0)
+    """Added to the standard deviation when advantages are normalised."""
+    max_is_weight: float = bounded(2.0, ge=1)
+    """Off-policy correction: cap of the importance weight pi_proximal / pi_behaviour
+    applied to steps sampled with older weights (decoupled PPO objective)."""
+    proximal: Literal["recompute", "loglinear"] = "recompute"
+    """Proximal log-probs of stale steps: ``recompute`` them with the learner's weights (one
+    forward pass over the stale steps per update), or ``loglinear``: interpolate between the
+    behaviour log-prob and the trained policy's, by version lag (AReaL's ``prox_logp_method``,
+    A-3PO), which saves that forward pass."""
+    ratio: Literal["joint", "step", "dim"] = "joint"
+    """Granularity of the importance ratio (and of its clipping and importance weights):
+    ``joint`` over the whole action chunk, ``step`` per chunk step, ``dim`` per action
+    dimension (a token, for a token head). A joint ratio over many dimensions moves by
+    exp(sum of their changes): at 50 x 7 dimensions, 0.01 nat each is e^3.5, and clipping
+    stops meaning anything. ``step``/``dim`` need a head with ``log_prob_elements``. Actions
+    the env did not apply (the episode ended inside the chunk) count in none of them."""
+    weight_decay: float = bounded(0.0, ge=0)
+    """Decoupled weight decay (AdamW) of every parameter group that does not set its own
+    (``VLAPolicy.optim_groups``); 0 uses Adam."""
+    train_mode: bool = False
+    """Run the policy in train mode (dropout on, batch-norm statistics updated) while it
+    learns. False: eval mode, the mode rollouts sample in, so that the importance ratio of
+    unchanged weights is exactly 1 (with dropout in train mode it is not: the ratio would
+    measure the dropout noise, not the policy's change)."""
+    micro_batch: int = bounded(0, ge=0)
+    """Samples per forward and backward pass: a minibatch larger than this accumulates the
+    gradients of its micro-batches before its one optimizer step (the same update, in less
+    activation memory). 0: the whole minibatch in one pass."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """``bf16``: the learner's forward passes and losses run under ``torch.autocast`` in
+    bfloat16 (sharded: on parameters gathered in bfloat16, gradients reduced in fp32);
+    weights and optimizer state stay fp32. Rollouts still sample in fp32, so at unchanged
+    weights the importance ratio carries bf16 rounding (not exactly 1)."""
+    activation_checkpointing: bool = False
+    """Recompute the activations of each block the policy's ``shard_units()`` names during the
+    backward pass instead of keeping them from the forward pass: less activation memory for
+    one more forward pass of those blocks (``token_vla``: every transformer block)."""
+    shard: Literal["auto", "none", "fsdp"] = "auto"
+    """``fsdp``: the learner ranks (``swimlane.learner_ranks`` > 1) are FSDP2-sharded: each
+    holds 1/N of the weights, gradients and optimizer state, and the weights published to
+    the rollouts are gathered one tensor at a time. ``none``: every learner holds the whole
+    model and gradients are all-reduced. ``auto``: ``fsdp`` with several learner ranks
+    (``none`` with ``swimlane.roles=adaptive``)."""
+

@@ -1,0 +1,24 @@
+"""The policy model's section of the job configuration (``policy.*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dvla.config.rules import bounded
+
+
+@dataclass(kw_only=True)
+class PolicyConfig:
+    """Policy model. ``name`` picks a registered :class:`dvla.policy.VLAPolicy`;
+    ``options`` are checked against that policy's own ``Config`` dataclass."""
+
+    name: str = "tiny_vla"
+    """A registered :class:`dvla.policy.VLAPolicy` (see ``POLICY_REGISTRY``)."""
+    action_chunk: int = bounded(1, ge=1)
+    """Actions predicted per decision (action chunking); the env executes them in order."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The policy's own ``Config`` (tiny_vla: ``hidden_dim, vision_channels, embed_dim,
+    vocab_size, max_tokens, head (bins|gaussian|flow), n_bins, flow_steps, init_log_std,
+    value_head``; token_vla: ``size (tiny|0.5b|7b), vision, lm, n_bins, decoding, tokenizer,
+    max_tokens, pretrained_path, lora_rank, lora_alpha, lora_targets, value_head, cameras``)."""
