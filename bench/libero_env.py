@@ -30,7 +30,7 @@ import torch
 
 from dvla.config import EnvConfig
 from dvla.envs import make_env
-from dvla.envs.libero_env import LiberoHost
+from dvla.envs.libero_host import LiberoHost
 
 
 def raw_rate(host: LiberoHost, steps: int, physics_only: bool, rng: np.random.Generator) -> float:

@@ -13,7 +13,8 @@ from torch import nn
 
 from dvla.checkpoint import save_weights
 from dvla.distributed import shutdown
-from planes.control import (LayoutMismatchError, WeightBroadcaster, WeightSubscriber, hierarchical_stages,
+from planes.subscriber import WeightSubscriber
+from planes.control import (LayoutMismatchError, WeightBroadcaster, hierarchical_stages,
                             new_control_group)
 
 

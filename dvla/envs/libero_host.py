@@ -1,0 +1,269 @@
+"""LIBERO's own side of :class:`dvla.envs.libero_env.LiberoEnv`: a suite's tasks, a host that
+builds and steps LIBERO envs (in this process or a spawned worker process), and the calls
+between the two. Imports LIBERO on use only (extra ``[libero]``)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import multiprocessing as mp
+import os
+import sys
+import traceback
+
+import numpy as np
+import torch
+
+from dvla.config import ConfigError
+
+SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
+EVAL_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "libero_10": 520}
+"""Actions per episode in the usual LIBERO evaluation (the longest demonstration, rounded up)."""
+PROPRIO_DIM, ACTION_DIM = 8, 7
+log = logging.getLogger("dvla.envs.libero")
+WORKER_TIMEOUT_S = 600.0  # a build compiles numba kernels and sets up EGL: slow on a CPU
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+class _QuietMacros(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Stands in for the ``robosuite/macros_private.py`` a user would write: robosuite
+    then logs warnings only, to the console, and opens no ``/tmp/robosuite.log``."""
+
+    NAME = "robosuite.macros_private"
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name == self.NAME else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        import robosuite.macros as macros
+
+        macros.FILE_LOGGING_LEVEL = None
+        macros.CONSOLE_LOGGING_LEVEL = "WARN"
+
+
+def _import_libero():
+    """``(benchmark, get_libero_path, ControlEnv, OffScreenRenderEnv)``, rendering through EGL."""
+    os.environ.setdefault("MUJOCO_GL", "egl")
+    os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
+    if "robosuite" not in sys.modules and not any(isinstance(f, _QuietMacros) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietMacros())
+    try:
+        from libero.libero import benchmark, get_libero_path
+        from libero.libero.envs import OffScreenRenderEnv
+        from libero.libero.envs.env_wrapper import ControlEnv
+    except ImportError as exc:
+        raise ConfigError(f"env.name: 'libero' needs the LIBERO extra (pip install -e \".[libero]\"): {exc}") from None
+    return benchmark, get_libero_path, ControlEnv, OffScreenRenderEnv
+
+
+def _axis_angle(quat: np.ndarray) -> np.ndarray:
+    """Axis-angle (3,) of a unit quaternion in robosuite's (x, y, z, w) order."""
+    w = float(np.clip(quat[3], -1.0, 1.0))
+    s = np.sqrt(1.0 - w * w)
+    if s < 1e-8:
+        return np.zeros(3)
+    return quat[:3] * (2.0 * np.arccos(w) / s)
+
+
+class LiberoTasks:
+    """The tasks of one suite: instruction, BDDL file and fixed initial states per task id."""
+
+    def __init__(self, suite: str):
+        benchmark, get_libero_path, _, _ = _import_libero()
+        import contextlib
+        import io
+
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints the task order it applies
+            self.suite = benchmark.get_benchmark(suite)(task_order_index=0)
+        self.name = suite
+        self.n_tasks = self.suite.get_num_tasks()
+        self._bddl_dir = get_libero_path("bddl_files")
+
+    def check(self, task_id: int) -> None:
+        if not 0 <= task_id < self.n_tasks:
+            raise ConfigError(f"env.options.task_ids: task {task_id} is not in {self.name} (0..{self.n_tasks - 1})")
+
+    def language(self, task_id: int) -> str:
+        return self.suite.get_task(task_id).language
+
+    def bddl(self, task_id: int) -> str:
+        task = self.suite.get_task(task_id)
+        return os.path.join(self._bddl_dir, task.problem_folder, task.bddl_file)
+
+    def init_states(self, task_id: int) -> np.ndarray:
+        return np.asarray(self.suite.get_task_init_states(task_id))
+
+
+class LiberoHost:
+    """Some of the envs, stepped one after the other in one process (this one or a worker's).
+    Every method returns plain numpy arrays, one row per env it holds."""
+
+    def __init__(self, suite: str, task_ids: list[int], image_size: int, wrist_size: int, render: bool,
+                 settle_steps: int, seed: int, render_gpu: int = -1):
+        _, _, ControlEnv, OffScreenRenderEnv = _import_libero()
+        self.tasks = LiberoTasks(suite)
+        self.task_ids = task_ids
+        self.image_size, self.wrist_size, self.render = image_size, wrist_size, render
+        self.settle_steps = settle_steps
+        self._states = {t: self.tasks.init_states(t) for t in set(task_ids)}
+        self.envs = []
+        for i, t in enumerate(task_ids):
+            kw = dict(bddl_file_name=self.tasks.bddl(t), hard_reset=False, ignore_done=True)
+            if render:
+                names, sizes = ["agentview"], [image_size]
+                if wrist_size:
+                    names, sizes = [*names, "robot0_eye_in_hand"], [*sizes, wrist_size]
+                env = OffScreenRenderEnv(camera_names=names, camera_heights=sizes, camera_widths=sizes,
+                                         render_gpu_device_id=render_gpu, **kw)
+            else:
+                env = ControlEnv(has_renderer=False, has_offscreen_renderer=False, use_camera_obs=False, **kw)
+            env.seed((seed + i) % 2**32)
+            env.reset()
+            self.envs.append(env)
+        self._obs = [None] * len(self.envs)
+        self._settle = np.zeros(ACTION_DIM)
+        self._settle[-1] = -1.0  # gripper open
+
+    def reset(self, items: list[tuple[int, int]]) -> dict[str, np.ndarray]:
+        """Restart env ``j`` from initial state ``k`` of its task, for each ``(j, k)``."""
+        for j, k in items:
+            env = self.envs[j]
+            env.reset()
+            obs = env.set_init_state(self._states[self.task_ids[j]][k])
+            for _ in range(self.settle_steps):
+                obs, _, _, _ = env.step(self._settle)
+            self._obs[j] = obs
+        return self.observe()
+
+    def step(self, actions: np.ndarray) -> dict[str, np.ndarray]:
+        """One action ``(n, 7)`` in each env; the observation and whether the task's goal holds
+        (LIBERO's own reward is that, 0 or 1; the env pays ``success_reward`` for it)."""
+        success = np.zeros(len(self.envs), bool)
+        for j, env in enumerate(self.envs):
+            self._obs[j], _, _, _ = env.step(actions[j])
+            success[j] = bool(env.check_success())
+        return {**self.observe(), "success": success}
+
+    def observe(self) -> dict[str, np.ndarray]:
+        n, s, w = len(self.envs), self.image_size, self.wrist_size
+        proprio = np.zeros((n, PROPRIO_DIM), np.float32)
+        image = np.zeros((n, s, s, 3), np.uint8)
+        wrist = np.zeros((n, w, w, 3), np.uint8)
+        for j, o in enumerate(self._obs):
+            if o is None:
+                continue
+            proprio[j] = np.concatenate([o["robot0_eef_pos"], _axis_angle(o["robot0_eef_quat"]),
+                                         o["robot0_gripper_qpos"]])
+            if self.render:  # OpenGL's rows run bottom-up: turn the frame upright
+                image[j] = o["agentview_image"][::-1, ::-1]
+                if w:
+                    wrist[j] = o["robot0_eye_in_hand_image"][::-1, ::-1]
+        return {"proprio": proprio, "image": image, "wrist": wrist}
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+        self.envs = []
+
+
+def _serve(conn, kwargs: dict) -> None:
+    """A worker process: build a :class:`LiberoHost`, then answer ``(method, args)`` calls
+    with ``("ok", result)`` or ``("error", one line)`` until ``close``."""
+    for var in _THREAD_VARS:
+        os.environ.setdefault(var, "1")
+    torch.set_num_threads(1)
+    try:
+        host = LiberoHost(**kwargs)
+        conn.send(("ok", None))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:  # the parent is gone
+            break
+        try:
+            result = getattr(host, method)(*args)
+            conn.send(("ok", result))
+        except BaseException as exc:  # noqa: BLE001
+            conn.send(("error", f"{type(exc).__name__}: {exc} ({traceback.format_exc(limit=1).splitlines()[-1]})"))
+        if method == "close":
+            break
+
+
+class _Remote:
+    """A :class:`LiberoHost` in a spawned process, called without waiting (``send``, then ``result``)."""
+
+    def __init__(self, kwargs: dict):
+        self.kwargs = kwargs
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, kwargs), daemon=True, name="dvla-libero")
+        self.proc.start()
+        child.close()
+        self._receive("build")
+
+    def send(self, method: str, *args) -> None:
+        try:
+            self.conn.send((method, args))
+        except OSError:  # a broken pipe: the worker is gone
+            self._died(method)
+
+    def result(self, what: str = "call"):
+        return self._receive(what)
+
+    def _died(self, what: str):
+        self.proc.join(5)
+        raise RuntimeError(f"libero worker (pid {self.proc.pid}) died during {what} "
+                           f"(exit code {self.proc.exitcode})") from None
+
+    def _receive(self, what: str):
+        if not self.conn.poll(WORKER_TIMEOUT_S):
+            raise RuntimeError(f"libero worker (pid {self.proc.pid}): no answer to {what} in {WORKER_TIMEOUT_S:.0f} s")
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            self._died(what)
+        if status != "ok":
+            raise RuntimeError(f"libero worker: {what} failed: {value}")
+        return value
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.send("close")
+                self.conn.poll(30) and self.conn.recv()
+            except (OSError, EOFError, RuntimeError):  # it died meanwhile
+                pass
+            self.proc.join(30)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self.conn.close()
+
+
+class _Local:
+    """A :class:`LiberoHost` in this process, with :class:`_Remote`'s calling convention."""
+
+    alive = True
+
+    def __init__(self, kwargs: dict):
+        self.host = LiberoHost(**kwargs)
+        self._result = None
+
+    def send(self, method: str, *args) -> None:
+        self._result = getattr(self.host, method)(*args)
+
+    def result(self, what: str = "call"):
+        return self._result
+
+    def close(self) -> None:
+        self.host.close()
