@@ -47,6 +47,12 @@ class RunConfig:
     reached (final checkpoint, summary); 0: no limit."""
     torch_threads: int = bounded(0, ge=0, le=2**31 - 1)
     """``torch.set_num_threads`` for this process; 0 keeps PyTorch's default."""
+    status_port: int = bounded(-1, ge=-1, le=65535)
+    """Serve a live status endpoint on rank 0 (``GET /healthz``, ``/status``, ``/metrics`` in
+    Prometheus's text format) on this TCP port; 0 picks a free port; -1 (default): none."""
+    status_host: str = "127.0.0.1"
+    """The address the status endpoint binds; ``127.0.0.1`` keeps it to this host, ``0.0.0.0``
+    opens it to the network (it has no authentication)."""
 
     def _validate(self) -> list[tuple[str, str]]:
         errs = []
