@@ -11,6 +11,10 @@
 #
 # Steps:
 #   gpu-tests  the tests that skip without CUDA (CUDA memory pools, lane streams; NCCL needs 2 GPUs)
+#   colocated  one rank, async, memory pools + CUDA streams + bf16 replicas, several versions, new
+#              inference batch shapes while the gradient lane updates (bench/gpu_paths.py)
+#   receiver   two processes sharing the GPU: learner-only rank 0, rollout-only rank 1, the control
+#              plane on gloo with CUDA tensors (bench/gpu_paths.py)
 #   broadcast  control-plane broadcast vs one raw broadcast (NCCL with >= 2 GPUs, else gloo)
 #   memory     CUDA memory pools vs the caching allocator under churn (peak reserved, fragmentation)
 #   learner    token_vla learner updates: bf16 autocast and an FSDP2-sharded bf16 learner vs fp32
@@ -18,6 +22,11 @@
 #   overlap    inference and learning at once, each lane on its own CUDA stream vs the default stream
 #   swimlane   async vs sync on genesis_reach with its GPU backend (fast_reach in the smoke)
 #   dataplane  the ZeroMQ data plane vs raw sockets
+#   libero     LIBERO on the GPU (EGL on the rank's GPU), where the [libero] extra is installed
+#
+# One GPU runs every step above but NCCL between ranks (it needs a GPU per rank): the broadcast
+# over NCCL, the learners' all-reduce and FSDP across ranks, the hierarchical broadcast and
+# NCCL teardown after a failure run only on a machine of two GPUs or more (tests/test_nccl.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,6 +66,8 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || 
 
 if [ "$SMOKE" -eq 1 ]; then
   step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py tests/test_streams.py -k "cuda or nccl"
+  step colocated 120 "$PY" bench/gpu_paths.py colocated --device cpu --iterations 6 --envs 16 --image 16
+  step receiver 180 "$PY" bench/gpu_paths.py receiver --device cpu --iterations 3 --envs 8 --image 16
   step broadcast 120 "$PY" bench/weight_broadcast.py --world 2 --mb 4 --layers 8 --repeats 1
   step memory 120 "$PY" bench/memory_churn.py --iters 20
   step learner 120 "$PY" bench/learner_step.py --size tiny --device cpu --samples 16 --updates 1 --image 32 --fsdp
@@ -67,6 +78,8 @@ if [ "$SMOKE" -eq 1 ]; then
   step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
 else
   step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py tests/test_streams.py -k "cuda or nccl"
+  step colocated 120 "$PY" bench/gpu_paths.py colocated --device cuda --iterations 12 --envs 64 --image 64
+  step receiver 150 "$PY" bench/gpu_paths.py receiver --device cuda --iterations 8 --envs 64 --image 64
   if [ "$GPUS" -ge 2 ]; then
     step broadcast 90 "$PY" bench/weight_broadcast.py --world 2 --mb 1000 --layers 200 --repeats 5
   else
@@ -79,6 +92,12 @@ else
   step swimlane 150 "$PY" bench/async_vs_sync.py --env genesis_reach --iterations 6 --envs 64 --image 64 \
     --repeats 1 --threads 4 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png" --set run.device=cuda
   step dataplane 60 "$PY" bench/data_plane.py --messages 200 --blocks 5
+  if "$PY" -c "import libero.libero" 2>/dev/null; then
+    step libero 240 "$PY" -m dvla.launch --preset libero_spatial run.device=cuda run.iterations=2 env.n_envs=8 \
+      run.out_dir=runs/gpu_suite_libero run.progress=false
+  else
+    echo "== libero: not installed (pip install -e \".[libero]\"), skipped" | tee -a "$OUT"
+  fi
 fi
 echo "== gpu_suite: $FAILED step(s) failed; output in $OUT" | tee -a "$OUT"
 exit "$FAILED"

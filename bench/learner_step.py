@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig
+from dvla.distributed import default_backend, init_from_env
 from dvla.policy import PolicySpec, VLAPolicy, build_policy
 from dvla.sharding import shard_learner
 from dvla.types import Observation, RolloutBatch
@@ -160,13 +161,16 @@ def main() -> None:
 
 
 def join_group(device: torch.device) -> None:
-    """The torchrun world, or a process group of this one process."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
+    """The torchrun world, or a process group of this one process, with the backends the
+    product's default group has (:func:`dvla.distributed.default_backend`): on CUDA NCCL for
+    CUDA tensors and gloo for CPU ones (``cpu:gloo,cuda:nccl``), else gloo. The sharded
+    learner's group is that group (WORLD), as the product's learner group takes the default
+    group's backends (swimlane/build.py ``build_groups``)."""
+    if "RANK" in os.environ:  # torchrun: as the launcher joins (interfaces, the rank's device)
+        init_from_env(device=str(device))
     else:
         store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        dist.init_process_group(default_backend(str(device)), store=store, rank=0, world_size=1)
 
 
 if __name__ == "__main__":

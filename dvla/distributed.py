@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from memory import runtime
 from planes.addresses import interface_of, is_loopback, route_to
 
 log = logging.getLogger("dvla")
@@ -46,14 +47,18 @@ def select_interfaces(environ=os.environ) -> str | None:
     return ifname
 
 
-def default_backend(device: str) -> str:
+def default_backend(device: str, collective_backend: str = "auto") -> str:
     """The default group's backend for a run on ``device`` (``run.device``): on CUDA both
-    NCCL (CUDA tensors) and gloo (CPU tensors: metrics, flags), else gloo alone."""
+    NCCL (CUDA tensors) and gloo (CPU tensors: metrics, flags), else gloo alone; gloo alone
+    too with ``collective_backend="gloo"`` (``swimlane.collective_backend``: ranks that share
+    a GPU)."""
     cuda = device in ("auto", "cuda") or device.startswith("cuda:")
-    return "cpu:gloo,cuda:nccl" if cuda and torch.cuda.is_available() else "gloo"
+    if collective_backend == "gloo":
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cuda and runtime.current().available() else "gloo"
 
 
-def init_from_env(timeout_s: float = 600.0, device: str = "auto") -> tuple[int, int]:
+def init_from_env(timeout_s: float = 600.0, device: str = "auto", collective_backend: str = "auto") -> tuple[int, int]:
     """Join the process group that torchrun describes in the environment, with the
     backend of ``device`` (the run's ``run.device``: :func:`default_backend`).
 
@@ -63,9 +68,9 @@ def init_from_env(timeout_s: float = 600.0, device: str = "auto") -> tuple[int, 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1
     select_interfaces()
-    backend = default_backend(device)
-    if "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = default_backend(device, collective_backend)
+    if resolve_device(device).type == "cuda":  # the rank's one visible GPU (memory.runtime.visible_device_env)
+        runtime.for_device(resolve_device(device)).bind_thread()
     timeout = timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torchrun's agent hosts the store and keeps it across restarts of the worker
@@ -82,22 +87,33 @@ def init_from_env(timeout_s: float = 600.0, device: str = "auto") -> tuple[int, 
     return dist.get_rank(), dist.get_world_size()
 
 
+def uses_nccl() -> bool:
+    """Whether the job's default group has an NCCL backend (a CUDA run)."""
+    return dist.is_initialized() and "nccl" in str(dist.get_backend_config())
+
+
 def shutdown(barrier: bool = True) -> None:
     """Destroy every process group, after a barrier unless ``barrier=False`` (use that
-    on an error path, where a peer may never reach the barrier)."""
+    on an error path, where a peer may never reach the barrier). On that path NCCL's
+    communicators are aborted, all of them at once (a destroy would wait for a peer that
+    is gone, and aborts of several communicators one by one can deadlock each other)."""
     if not dist.is_initialized():
+        return
+    if not barrier and uses_nccl():
+        dist.distributed_c10d._abort_process_group()
         return
     try:
         if barrier:
-            dist.barrier()
+            with runtime.current().collective():  # (a barrier is a collective: not on a compute stream)
+                dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
+        return torch.device("cuda" if runtime.current().available() else "cpu")
+    if name.startswith("cuda") and not runtime.current().available():
         raise RuntimeError(f"run.device={name!r} but CUDA is not available on this machine")
     return torch.device(name)
 

@@ -19,6 +19,7 @@ from dvla.envs.base import BatchedEnv
 from dvla.episodes import rollout_fields
 from dvla.policy import ActOutput, ExtraSpec, VLAPolicy
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch, StepResult
+from memory import runtime
 
 PER_EPISODE = ("instruction_ids", "instruction_mask", "success", "group_ids", "episode_sums")  # set by start, build
 
@@ -28,6 +29,10 @@ class RolloutTimes:
     sim_s: float = 0.0
     infer_s: float = 0.0
     env_steps: int = 0  # decisions x n_envs actually simulated
+
+
+def _copy(dst: Tensor, src: Tensor) -> None:
+    dst.copy_(src)
 
 
 class EpisodeRecorder:
@@ -40,11 +45,14 @@ class EpisodeRecorder:
 
     def __init__(self, env: BatchedEnv, action_chunk: int, episode_len: int,
                  alloc: Callable[[tuple[int, ...], torch.dtype], Tensor] | None = None,
-                 extras: dict[str, ExtraSpec] | None = None, cameras: dict[str, tuple[int, ...]] | None = None):
+                 extras: dict[str, ExtraSpec] | None = None, cameras: dict[str, tuple[int, ...]] | None = None,
+                 async_copies: bool | None = None):
         """``alloc(shape, dtype)`` provides the buffers (e.g. a transient-pool lease's
         ``empty``); they are zeroed here. Default: plain ``torch.empty``. ``extras``: what
         the policy records beside its actions (:meth:`VLAPolicy.rollout_extras`); ``cameras``:
-        the further cameras it reads, name -> (C, H, W) (:attr:`VLAPolicy.cameras_used`)."""
+        the further cameras it reads, name -> (C, H, W) (:attr:`VLAPolicy.cameras_used`);
+        ``async_copies``: the buffers are pinned host memory that device copies fill without
+        waiting (the host pool of a GPU run; default: whether they are pinned)."""
         self.b = env.n_envs
         self.t_len = episode_len
         t_len, b = episode_len, self.b
@@ -59,7 +67,9 @@ class EpisodeRecorder:
         self.cameras = {k[len(CAMERAS_PREFIX):]: v for k, v in bufs.items() if k.startswith(CAMERAS_PREFIX)}
         self.done = torch.zeros(b, dtype=torch.bool)
         self.success = torch.zeros(b, dtype=torch.bool)
-        self.async_copies = self.image.is_pinned()  # pinned buffers take device copies without waiting
+        self.rt = runtime.current()
+        # pinned buffers take device copies without waiting
+        self.async_copies = self.image.is_pinned() if async_copies is None else async_copies
         self._all_done: Tensor | None = None  # pinned host flag: every episode over (GPU envs)
         self._all_done_at = None  # CUDA event of the newest copy into _all_done
         self.t = 0
@@ -84,7 +94,7 @@ class EpisodeRecorder:
             return True
         if not self.done.is_cuda:
             return bool(self.done.all())
-        return self._all_done_at is not None and self._all_done_at.query() and bool(self._all_done)
+        return self._all_done_at is not None and self.rt.event_done(self._all_done_at) and bool(self._all_done)
 
     def record(self, out: ActOutput, res: StepResult, version: int) -> Observation:
         """Store the decision taken in the current observation and its outcome; returns
@@ -93,49 +103,49 @@ class EpisodeRecorder:
         Tensors on a GPU are copied into the buffers without waiting when the buffers are
         pinned (the host pool on a CUDA run), and the episodes' done flags stay on the env's
         device: a step never waits for the GPU (see :attr:`finished`, :meth:`build`)."""
-        t, obs, nb = self.t, self.obs, self.async_copies
+        t, obs = self.t, self.obs
+        cp = self.rt.copy_async if self.async_copies else _copy
         dev = res.reward.device
         if self.done.device != dev:  # the flags live where the env's outputs do
             self.done, self.success = self.done.to(dev), self.success.to(dev)
-        self.image[t].copy_(obs.image, non_blocking=nb)
-        self.proprio[t].copy_(obs.proprio, non_blocking=nb)
+        cp(self.image[t], obs.image)
+        cp(self.proprio[t], obs.proprio)
         for k, buf in self.cameras.items():
-            buf[t].copy_(obs.cameras[k], non_blocking=nb)
+            cp(buf[t], obs.cameras[k])
         live = ~self.done
-        self.valid[t].copy_(live, non_blocking=nb)
-        self.actions[t].copy_(out.actions, non_blocking=nb)
+        cp(self.valid[t], live)
+        cp(self.actions[t], out.actions)
         k = out.actions.shape[1]
         if res.executed is None:  # every action of the chunk applied in the envs still running
             mask = live.unsqueeze(1).expand(self.b, k)
         else:
             mask = (self._arange(k, dev) < res.executed.to(dev).unsqueeze(1)) & live.unsqueeze(1)  # (B, K)
-        self.action_valid[t].copy_(mask, non_blocking=nb)
+        cp(self.action_valid[t], mask)
         if out.log_prob_elements is not None:  # the behaviour log-prob of what the env applied
             applied = mask.to(out.log_prob_elements.device, torch.float32).unsqueeze(-1)
             elements = out.log_prob_elements * applied
-            self.action_log_probs[t].copy_(elements, non_blocking=nb)
-            self.log_probs[t].copy_(elements.sum(dim=(1, 2)), non_blocking=nb)
+            cp(self.action_log_probs[t], elements)
+            cp(self.log_probs[t], elements.sum(dim=(1, 2)))
         else:
-            self.log_probs[t].copy_(out.log_probs, non_blocking=nb)
-        self.values[t].copy_(out.values, non_blocking=nb)
+            cp(self.log_probs[t], out.log_probs)
+        cp(self.values[t], out.values)
         for k, buf in self.extras.items():
-            buf[t].copy_(out.extras[k], non_blocking=nb)
+            cp(buf[t], out.extras[k])
         self.policy_version[t].fill_(version)
         terminated = res.terminated & live
         truncated = res.truncated & live
         if t == self.t_len - 1:
             truncated = truncated | (live & ~terminated)
-        self.rewards[t].copy_(res.reward * live, non_blocking=nb)
-        self.terminated[t].copy_(terminated, non_blocking=nb)
-        self.truncated[t].copy_(truncated, non_blocking=nb)
+        cp(self.rewards[t], res.reward * live)
+        cp(self.terminated[t], terminated)
+        cp(self.truncated[t], truncated)
         self.done |= terminated | truncated
         self.success |= res.success.to(dev)
         if self.done.is_cuda:  # all done? copied back without waiting, read once it has landed
             if self._all_done is None:
-                self._all_done = torch.zeros((), dtype=torch.bool, pin_memory=True)
-            self._all_done.copy_(self.done.all(), non_blocking=True)
-            self._all_done_at = torch.cuda.Event()
-            self._all_done_at.record()
+                self._all_done = self.rt.pinned_empty(1).view(torch.bool)[0]
+            self.rt.copy_async(self._all_done, self.done.all())
+            self._all_done_at = self.rt.record_event()
         self.t += 1
         o = res.obs  # (not dataclasses.replace: this runs every step)
         self.obs = Observation(image=o.image, proprio=o.proprio, instruction=o.instruction, instruction_ids=self.ids,
@@ -152,9 +162,9 @@ class EpisodeRecorder:
         """The recorded batch; ``last_value`` bootstraps the value after the last step. Waits
         for the copies still in flight (a GPU rollout's)."""
         if last_value is not None:
-            self.values[self.t].copy_(last_value, non_blocking=self.async_copies)
+            (self.rt.copy_async if self.async_copies else _copy)(self.values[self.t], last_value)
         if self.done.is_cuda or self.async_copies:
-            torch.cuda.current_stream().synchronize()
+            self.rt.synchronize()  # the copies this thread queued (on its own device: memory/runtime.py)
         # Every column is one episode, ended by its last valid step (truncated at the latest).
         torch.mul(self.values[1:], self.truncated, out=self.bootstrap)
         success = self.success.cpu()

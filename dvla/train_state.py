@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from dvla.checkpoint import FORMAT_VERSION, CheckpointError
+from memory import runtime
 
 log = logging.getLogger("dvla.checkpoint")
 
@@ -190,8 +191,8 @@ def rng_state(generators: dict[str, torch.Generator] | None = None) -> tuple[dic
     ``rng/gen/{name}`` plus a json-able dict with the rest."""
     tensors: dict[str, Tensor] = {"rng/torch": torch.get_rng_state()}
     meta: dict[str, Any] = {"format": FORMAT_VERSION, "cuda_devices": 0}
-    if torch.cuda.is_available():
-        states = torch.cuda.get_rng_state_all()
+    states = runtime.current().rng_states()
+    if states:
         meta["cuda_devices"] = len(states)
         for i, s in enumerate(states):
             tensors[f"rng/cuda/{i}"] = s
@@ -228,12 +229,12 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict,
     torch.set_rng_state(tensors["rng/torch"].to("cpu", torch.uint8))
     saved_cuda = int(meta.get("cuda_devices", 0))
     if saved_cuda:
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        have = runtime.current().device_count()
         if have < saved_cuda:
             log.warning("rng state: checkpoint has %d CUDA RNG states, this process sees %d devices; "
                         "restoring %d", saved_cuda, have, have)
         for i in range(min(have, saved_cuda)):
-            torch.cuda.set_rng_state(tensors[f"rng/cuda/{i}"].to("cpu", torch.uint8), device=i)
+            runtime.current().set_rng_state(tensors[f"rng/cuda/{i}"].to("cpu", torch.uint8), i)
     version, internal, gauss = meta["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in meta and "rng/numpy" in tensors:

@@ -134,13 +134,14 @@ def _cpus() -> int:
 
 def _cuda() -> tuple[int, list[str]]:
     try:
-        import torch  # kept out of planning-only imports
+        from memory import runtime  # torch kept out of planning-only imports
 
-        n = torch.cuda.device_count()
+        rt = runtime.current()
+        n = rt.device_count()
         names = []
         for i in range(n):
             try:
-                names.append(torch.cuda.get_device_name(i))
+                names.append(rt.device_name(i))
             except Exception:  # noqa: BLE001
                 names.append("?")
         return n, names

@@ -146,8 +146,9 @@ def device_total_memory(device: torch.device | str) -> int:
     or the process's cgroup memory limit when that is smaller."""
     device = torch.device(device)
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.get_device_properties(index).total_memory)
+        from .runtime import current
+
+        return current().total_memory(device.index)
     if device.type != "cpu":
         raise ValueError(f"cannot tell the total memory of a {device.type!r} device")
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -70,13 +70,14 @@ is how it is tested without a GPU.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 import threading
 from dataclasses import asdict, dataclass
 
 import torch
+
+from .runtime import for_device
 
 #: The smallest block of the transient arena; smaller requests share it.
 MIN_BLOCK_BYTES = 256
@@ -99,7 +100,7 @@ def size_class(nbytes: int) -> int:
 def _normalize_device(device: torch.device | str | int) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", 0)  # a rank sees its own GPU alone (memory/runtime.py)
     return device
 
 
@@ -196,24 +197,25 @@ class PoolStats:
 class _DevicePool:
     """What both pools share: the device, the budget and (on CUDA) a ``MemPool``."""
 
-    def __init__(self, device, budget_bytes: int | None, name: str) -> None:
+    def __init__(self, device, budget_bytes: int | None, name: str, host: bool = False) -> None:
         self.name = name
         self.device = _normalize_device(device)
         self.budget_bytes = _check_budget(budget_bytes, name)
         self._lock = threading.Lock()
-        #: ``torch.cuda.MemPool`` holding this pool's segments on CUDA; None on CPU.
-        self.mempool = torch.cuda.MemPool() if self.device.type == "cuda" else None
+        self.runtime = for_device(self.device)
+        #: ``torch.cuda.MemPool`` holding this pool's segments on a GPU (the runtime's); None
+        #: on the CPU and for a host pool. One thread only routes allocations into it.
+        self.mempool = self.runtime.new_mempool() if self.runtime.accelerated and not host else None
 
     def _routed(self):
-        """Context under which new device allocations land in this pool's segments."""
-        if self.mempool is None:
-            return contextlib.nullcontext()
-        return torch.cuda.use_mem_pool(self.mempool, self.device)
+        """Context under which the calling thread's new device allocations land in this
+        pool's segments (only the pool's owning thread may enter it: memory/runtime.py)."""
+        return self.runtime.allocate_in(self.mempool, f"{self.name} pool")
 
     def device_segments(self) -> dict[str, int] | None:
         """On CUDA, what the caching allocator holds for this pool's ``MemPool``:
         ``{"segment_bytes", "allocated_bytes", "segments"}``. None on CPU."""
-        if self.mempool is None:
+        if self.mempool is None or not hasattr(self.mempool, "snapshot"):
             return None
         segments = self.mempool.snapshot(include_traces=False)
         mine = [s for s in segments if s.get("device", self.device.index) == self.device.index]

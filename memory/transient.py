@@ -64,10 +64,11 @@ class TransientPool(_DevicePool):
         borrow_limit: float = 2.0,
         pin_memory: bool = False,
     ) -> None:
-        super().__init__(device, budget_bytes, name)
+        super().__init__(device, budget_bytes, name, host=pin_memory)
         if pin_memory and self.device.type != "cpu":
             raise ValueError(f"{name} pool: pin_memory is for a host pool, this one is on {self.device}")
-        #: Host blocks are page-locked, so device copies into and out of them need not wait.
+        #: Host blocks are page-locked (on a GPU run), so device copies into and out of them
+        #: need not wait; a block goes out again only once its release event has passed.
         self.pin_memory = pin_memory
         if not borrow_limit >= 1.0:
             raise ValueError(f"{name} pool: borrow_limit must be >= 1, got {borrow_limit!r}")
@@ -100,8 +101,12 @@ class TransientPool(_DevicePool):
             if block is not None:
                 self._reuses += 1
                 if block.event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(block.event)
+                    if self.pin_memory:  # the host writes it next: copies into it must be done
+                        self.runtime.host_wait(block.event)
+                    else:  # device work that follows waits for what came before the release
+                        self.runtime.wait_event(block.event)
                     block.event = None
+                self.runtime.handing_out(block.data)
             else:
                 block = self._new_block(size, nbytes, dims, dtype)
             view = block.view(dtype, dims, strides)
@@ -155,17 +160,21 @@ class TransientPool(_DevicePool):
                     block_bytes=size,
                 )
         try:
-            with self._routed():
-                data = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+            data = self._allocate(size)
         except torch.OutOfMemoryError:
             # The device is full: give back what we cache and try once more.
             self._evict(self._reserved)
-            with self._routed():
-                data = torch.empty(size, dtype=torch.uint8, device=self.device, pin_memory=self.pin_memory)
+            data = self._allocate(size)
         self._allocations += 1
         self._reserved += size
         self._peak_reserved = max(self._peak_reserved, self._reserved)
         return _Block(data, size)
+
+    def _allocate(self, size: int) -> Tensor:
+        if self.pin_memory:
+            return self.runtime.pinned_empty(size)
+        with self._routed():
+            return torch.empty(size, dtype=torch.uint8, device=self.device)
 
     def _evict(self, want: int) -> int:
         """Drop cached blocks, largest class first, until ``want`` bytes are freed (lock held)."""
@@ -177,7 +186,7 @@ class TransientPool(_DevicePool):
                 if block.event is not None:
                     # The caching allocator may hand this memory to another stream at once:
                     # let the work enqueued before its release finish first.
-                    block.event.synchronize()
+                    self.runtime.host_wait(block.event)
                 freed += size
             if not blocks:
                 del self._free[size]
@@ -208,9 +217,8 @@ class TransientPool(_DevicePool):
                 raise ValueError(self._foreign(t, live))
             del self._live[ptr]
             block = live.block
-            if self.device.type == "cuda":
-                block.event = torch.cuda.Event()
-                block.event.record(torch.cuda.current_stream(self.device))
+            if self.runtime.accelerated:  # device blocks, and pinned ones device copies write
+                block.event = self.runtime.record_event()
             free = self._free.get(block.size)
             if free is None:
                 free = self._free[block.size] = []

@@ -12,11 +12,18 @@ and DDP's bucket views do). Publishing is then a handful of large broadcasts str
 from the model's own memory, and receiving writes straight into the replica: no packing,
 no unpacking, no allocation per version. Build the broadcaster after the model is on
 its device (moving it later breaks the aliasing, which ``publish``/``receive`` detect).
-Every broadcast is preceded by an int64 version number; a negative one means shutdown. With
-``header_words`` the version number is followed by that many int64 words the source sets per
-version (``publish(version, header)``) and receivers read as :attr:`WeightBroadcaster.header`
-after :meth:`WeightBroadcaster.receive_version`: a small message that rides with each version
-(the swimlane's rebalancing plan, :mod:`swimlane.balance`) at no extra collective.
+A version is **announced outside any collective**: the source writes its number (a negative
+one means shutdown) to the job's key-value store (the c10d store every rank already
+shares) before it broadcasts the buckets, and a receiver waits on the store, not in a
+collective, for the next announcement (:meth:`WeightBroadcaster.receive_version`). It posts
+the broadcast of the buckets only once their data is coming, so no collective ever waits
+for the learner to finish an update: a long gap between versions cannot time a group out,
+and a pending receive never holds a GPU stream. Every collective runs inside the device
+runtime's :meth:`memory.runtime.Runtime.collective` (a communication stream of the
+calling thread's own on a GPU). With ``header_words`` the announcement carries that many
+integers the source sets per version (``publish(version, header)``), which receivers read
+as :attr:`WeightBroadcaster.header`: the swimlane's rebalancing plan (:mod:`swimlane.balance`)
+rides with each version.
 
 Across hosts the broadcast follows a tree (:func:`hierarchical_stages`): the source
 sends each version once over the inter-node group of *node leaders* (one rank per
@@ -38,12 +45,17 @@ with two staging buffers, so a consumer can ``poll()`` without blocking.
 from __future__ import annotations
 
 import collections
+from datetime import timedelta
+import itertools
+import json
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from memory import runtime
 from planes.buckets import (
     DEFAULT_BUCKET_BYTES,
     Alloc,
@@ -55,6 +67,8 @@ from planes.buckets import (
 )
 
 SHUTDOWN = -1
+ANNOUNCE_POLL_S = 0.02  # how often a waiting receiver looks for the next announcement
+_instances = itertools.count()  # broadcasters are built in one order on every rank (a collective)
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -62,12 +76,14 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def new_control_group(ranks: list[int] | None = None, device: torch.device | str = "cpu") -> dist.ProcessGroup:
+def new_control_group(ranks: list[int] | None = None, device: torch.device | str = "cpu",
+                      timeout: timedelta | None = None, backend: str | None = None) -> dist.ProcessGroup:
     """A process group for weight traffic only, with the backend of the weights' device
-    (:func:`backend_for`). Must be called by every rank of the default group (a
-    torch.distributed rule)."""
+    (:func:`backend_for`) and ``timeout`` for its collectives (the backend's default when
+    None: 10 minutes for NCCL, 30 for gloo). Must be called by every rank of the default
+    group (a torch.distributed rule). ``backend``: gloo for ranks that share a GPU."""
     return dist.new_group(ranks if ranks is not None else list(range(dist.get_world_size())),
-                          backend=backend_for(device))
+                          backend=backend or backend_for(device), timeout=timeout)
 
 
 @dataclass
@@ -83,7 +99,7 @@ class Stage:
 
 
 def hierarchical_stages(leaders: list[int], local_groups: list[list[int]], src: int,
-                        backend: str | None = None) -> list[Stage]:
+                        backend: str | None = None, timeout: timedelta | None = None) -> list[Stage]:
     """Create the tree's process groups and return this rank's stages, in order.
 
     ``leaders``: one rank per host (the source is its own host's leader);
@@ -96,8 +112,8 @@ def hierarchical_stages(leaders: list[int], local_groups: list[list[int]], src: 
         raise ValueError(f"control plane: leaders {leaders} do not match the host groups {local_groups}")
     backend = backend or backend_for("cpu")
     me = dist.get_rank()
-    inter = dist.new_group(leaders, backend=backend) if len(leaders) > 1 else None
-    local = [dist.new_group(g, backend=backend) if len(g) > 1 else None for g in local_groups]
+    inter = dist.new_group(leaders, backend=backend, timeout=timeout) if len(leaders) > 1 else None
+    local = [dist.new_group(g, backend=backend, timeout=timeout) if len(g) > 1 else None for g in local_groups]
     stages = []
     if inter is not None and me in leaders:
         stages.append(Stage(inter, src, "inter", len(leaders)))
@@ -121,10 +137,11 @@ class WeightBroadcaster:
     def __init__(self, module: nn.Module, *, src: int = 0, group: dist.ProcessGroup | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, stages: list[Stage] | None = None,
                  alloc: Alloc | None = None, frozen: frozenset[str] = frozenset(),
-                 device: torch.device | None = None, header_words: int = 0):
+                 device: torch.device | None = None, header_words: int = 0, store=None):
         """``device``: where the weights travel (default: the module's); a relay rank passes
         a module on the meta device, its layout only (:meth:`relay_buckets`); ``header_words``:
-        int64 words that travel with each version number (the same on every rank)."""
+        integers that travel with each version number (the same on every rank); ``store``:
+        where versions are announced (default: the default process group's store)."""
         if bucket_bytes < 1:
             raise ValueError(f"control_plane.bucket_bytes: must be >= 1, got {bucket_bytes}")
         self.module = module
@@ -156,15 +173,20 @@ class WeightBroadcaster:
         self.nbytes = sum(b.flat.numel() * b.flat.element_size() for b in self.buckets)
         self.frozen_sent = False  # source: the frozen buckets went out; receiver: they came in
         self.last_version_bytes = 0  # bytes of the last version sent or received (once, not per stage)
-        self._version_buf = torch.zeros(1 + header_words, dtype=torch.int64, device=self.device)
+        self.header_words = header_words
         self.header: list[int] = [0] * header_words  # the words of the last version announced
         self.version = -1
+        self.rt = runtime.for_device(self.device)
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self._prefix = f"dvla/weights/{next(_instances)}/"
+        self._announced = 0  # announcements made (source) or read (receivers)
 
     def _check_layout(self) -> None:
         world = dist.get_world_size(self.group)
         mine = torch.tensor([self.checksum], dtype=torch.int64, device=self.device)
         all_sums = [torch.zeros_like(mine) for _ in range(world)]
-        dist.all_gather(all_sums, mine, group=self.group)
+        with runtime.for_device(self.device).collective():
+            dist.all_gather(all_sums, mine, group=self.group)
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(world))
         src_sum = all_sums[ranks.index(self.src)].item()
         bad = [r for r, s in zip(ranks, all_sums) if s.item() != src_sum]
@@ -219,15 +241,16 @@ class WeightBroadcaster:
             raise ValueError(f"versions must increase and be >= 0: got {version} after {self.version}")
         self._check_aliasing()
         carried = self._carried()
-        # The version header and every bucket are posted at once and then waited for: the
-        # backend streams them back to back instead of a hand-over to its worker thread and
-        # a wait between one collective and the next.
-        self._fill_header(version, header)
-        works = [dist.broadcast(self._version_buf, src=st.root, group=st.group, async_op=True)
-                 for st in self._send_stages]
-        works += [self._send(st, self.buckets[i].flat, async_op=True) for st in self._send_stages for i in carried]
-        for work in works:
-            work.wait()
+        self._announce(version, header)
+        # Every bucket is posted at once and then waited for: the backend streams them back
+        # to back instead of a hand-over to its worker thread and a wait between one
+        # collective and the next.
+        with self.rt.collective():
+            works = [self._send(st, self.buckets[i].flat, async_op=True) for st in self._send_stages
+                     for i in carried]
+            for work in works:
+                work.wait()
+        self._forget(self._announced - 2)  # every receiver has read the announcement before it
         self.last_version_bytes = sum(self.buckets[i].flat.numel() * self.buckets[i].flat.element_size()
                                       for i in carried)
         self.frozen_sent = True
@@ -235,19 +258,22 @@ class WeightBroadcaster:
 
     def shutdown(self) -> None:
         """Tell receivers that no further version will come (source rank only)."""
-        self._broadcast_version(SHUTDOWN)
+        self._announce(SHUTDOWN, None)
 
-    def _fill_header(self, version: int, header: list[int] | None) -> None:
-        words = list(header) if header is not None else [0] * (self._version_buf.numel() - 1)
-        if len(words) != self._version_buf.numel() - 1:
-            raise ValueError(f"control plane: a header of {len(words)} words, expected {self._version_buf.numel() - 1}")
-        self._version_buf.copy_(torch.tensor([version, *words], dtype=torch.int64))
+    def _announce(self, version: int, header: list[int] | None) -> None:
+        words = [int(w) for w in header] if header is not None else [0] * self.header_words
+        if len(words) != self.header_words:
+            raise ValueError(f"control plane: a header of {len(words)} words, expected {self.header_words}")
+        self.store.set(f"{self._prefix}{self._announced}", json.dumps([version, *words]))
+        self._announced += 1
         self.header = words
 
-    def _broadcast_version(self, version: int) -> None:
-        self._fill_header(version, None)
-        for st in self._send_stages:
-            dist.broadcast(self._version_buf, src=st.root, group=st.group)
+    def _forget(self, n: int) -> None:
+        if n >= 0:
+            try:
+                self.store.delete_key(f"{self._prefix}{n}")
+            except (RuntimeError, NotImplementedError):  # a store that cannot delete keeps it
+                pass
 
     def _send(self, st: Stage, flat: Tensor, async_op: bool = False):
         work = dist.broadcast(flat, src=st.root, group=st.group, async_op=async_op)
@@ -273,19 +299,22 @@ class WeightBroadcaster:
             self.receive_buckets(version, into)
         return version
 
-    def receive_version(self) -> int:
-        """First half of :meth:`receive`: block until the source announces a version (or
-        ``SHUTDOWN``). The caller must then call :meth:`receive_buckets` for that version;
-        splitting lets it choose the destination only once the data is about to arrive."""
+    def receive_version(self, stop: threading.Event | None = None) -> int | None:
+        """First half of :meth:`receive`: wait (on the store, in no collective) until the
+        source announces a version (or ``SHUTDOWN``); None if ``stop`` is set first. The
+        caller must then call :meth:`receive_buckets` for that version; splitting lets it
+        choose the destination only once the data is about to arrive."""
         if self.is_src:
             raise RuntimeError("receive() is for non-source ranks")
-        st = self._recv_stage
-        dist.broadcast(self._version_buf, src=st.root, group=st.group)
-        for fwd in self._send_stages:  # a node leader passes the announcement on at once
-            dist.broadcast(self._version_buf, src=fwd.root, group=fwd.group)
-        words = self._version_buf.tolist()
-        self.header = words[1:]
-        return words[0]
+        key = f"{self._prefix}{self._announced}"
+        stop = stop or threading.Event()
+        while not self.store.check([key]):
+            if stop.wait(ANNOUNCE_POLL_S):
+                return None
+        words = json.loads(self.store.get(key))
+        self._announced += 1
+        self.header = [int(w) for w in words[1:]]
+        return int(words[0])
 
     @torch.no_grad()
     def receive_buckets(self, version: int, into: list[Tensor] | None = None) -> None:
@@ -329,18 +358,19 @@ class WeightBroadcaster:
         self.last_version_bytes = sum(self.buckets[i].flat.numel() * self.buckets[i].flat.element_size()
                                       for i in carried)
         busy: dict = {}  # place -> its collectives in flight
-        for n, i in enumerate(carried):
-            key, flat = place(n, i)
-            for work in busy.pop(key, []):
-                work.wait()
-            if not self._send_stages:
-                busy[key] = [self._recv(flat, async_op=True)]
-                continue
-            self._recv(flat)
-            busy[key] = [self._send(st, flat, async_op=True) for st in self._send_stages]
-        for works in busy.values():
-            for work in works:
-                work.wait()
+        with self.rt.collective():
+            for n, i in enumerate(carried):
+                key, flat = place(n, i)
+                for work in busy.pop(key, []):
+                    work.wait()
+                if not self._send_stages:
+                    busy[key] = [self._recv(flat, async_op=True)]
+                    continue
+                self._recv(flat)
+                busy[key] = [self._send(st, flat, async_op=True) for st in self._send_stages]
+            for works in busy.values():
+                for work in works:
+                    work.wait()
 
     @torch.no_grad()
     def load_flat(self, flats: list[Tensor], version: int) -> None:

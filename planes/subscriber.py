@@ -29,6 +29,7 @@ class WeightSubscriber:
 
     def _run(self) -> None:
         try:
+            self.bc.rt.bind_thread()  # a new thread starts on device 0: bind the rank's
             while True:
                 idx = 0 if self._ready is None else 1 - self._ready[1]
                 with self._locks[idx]:

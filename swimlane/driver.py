@@ -16,6 +16,8 @@ import time
 import traceback
 from typing import Callable
 
+from memory import runtime
+
 log = logging.getLogger("dvla.swimlane")
 
 
@@ -49,8 +51,13 @@ class ThreadedDriver:
         self.threads: dict[str, threading.Thread] = {}
 
     def start(self, name: str, fn: Callable[[], None]) -> threading.Thread:
+        """Run lane ``fn`` in a thread of its own, bound to the rank's device first (the
+        current device is per thread: memory/runtime.py)."""
+        rt = runtime.current()
+
         def body() -> None:
             try:
+                rt.bind_thread()
                 fn()
             except BaseException as exc:  # any failure ends the run with this lane's traceback
                 self.errors.append(LaneError(name, exc, traceback.format_exc()))

@@ -18,6 +18,7 @@ import torch
 
 from launch.placement import Placement
 from launch.topology import Topology
+from memory import runtime
 
 # What each lane does, by the name RankLanes gives it.
 LANE_ROLES = {
@@ -122,7 +123,7 @@ def plan_rank(cfg, rank: int, topology: Topology, placement: Placement,
     if world == 1:
         channels.append(Channel("chunks", "sampling", "gradient", "local"))
     else:
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        backend = "nccl" if device.type == "cuda" and sl.collective_backend == "auto" else "gloo"
         groups += [f"learners {placement.learners}", f"control ({backend}, all ranks)"]
         if sl.hierarchical_broadcast and len(placement.tree.leaders) > 1:
             groups.append(f"broadcast stages (leaders {placement.tree.leaders})")
@@ -198,7 +199,7 @@ def format_plan(plan: RankPlan) -> str:
 def plans_for(cfg, world_size: int = 1) -> list[RankPlan]:
     """Every rank's plan for a job of ``world_size`` processes, without starting one: on the
     topology ``swimlane.topology`` gives, else on one host. On CUDA each rank is planned on
-    its local GPU, as the launcher binds it. A ValueError names what does not fit."""
+    its own GPU, which it sees alone (as ``cuda:0``). A ValueError names what does not fit."""
     from launch.placement import place
     from launch.topology import from_spec, local_topology
 
@@ -206,13 +207,8 @@ def plans_for(cfg, world_size: int = 1) -> list[RankPlan]:
     topology = (from_spec(sl.topology) if sl.topology else local_topology() if world_size == 1
                 else from_spec([world_size]))
     placement = place(topology, sl.learner_ranks, sl.colocate)
-    device = torch.device("cpu" if cfg.run.device == "auto" and not torch.cuda.is_available()
-                          else "cuda" if cfg.run.device == "auto" else cfg.run.device)
-    plans = []
-    for rank in range(topology.world_size):
-        d = device
-        if device.type == "cuda" and topology.world_size > 1:
-            host = topology.hosts[topology.host_of(rank)]
-            d = torch.device("cuda", host.local_ranks[host.ranks.index(rank)])
-        plans.append(plan_rank(cfg, rank, topology, placement, d))
-    return plans
+    available = runtime.current().available()
+    device = torch.device("cpu" if cfg.run.device == "auto" and not available
+                          else "cuda:0" if cfg.run.device in ("auto", "cuda") else cfg.run.device)
+    # Every rank sees its own GPU alone, as cuda:0 (memory.runtime.visible_device_env).
+    return [plan_rank(cfg, rank, topology, placement, device) for rank in range(topology.world_size)]

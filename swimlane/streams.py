@@ -23,19 +23,24 @@ from typing import Iterator
 
 import torch
 
+from memory import runtime
+
 
 class LaneStream:
     def __init__(self, device: torch.device, enabled: bool = True, priority: int = 0):
-        """``priority``: CUDA stream priority, lower runs first (torch offers -1 and 0 on
-        most GPUs; see ``torch.cuda.Stream.priority_range``)."""
+        """``priority``: stream priority, lower runs first (torch offers -1 and 0 on most
+        GPUs). Streams come from the rank's device runtime (memory/runtime.py): none on the
+        CPU."""
         self.device = device
+        self.rt = runtime.for_device(device)
         self.stream = None
-        self._streams: dict[bool, torch.cuda.Stream] = {}  # high priority? -> stream
-        if enabled and device.type == "cuda":
-            lo, hi = torch.cuda.Stream.priority_range()  # (0, -n): lower is higher priority
-            self.stream = torch.cuda.Stream(device, priority=max(min(priority, lo), hi))
-            self._streams[self.stream.priority < lo] = self.stream
+        self._streams: dict = {}  # high priority? -> stream
+        if enabled and self.rt.accelerated:
+            lo, hi = self.rt.priority_range()  # (0, -n): lower is higher priority
+            self.stream = self.rt.new_stream(max(min(priority, lo), hi))
+            self._streams[max(min(priority, lo), hi) < lo] = self.stream
             self._lowest, self._highest = lo, hi
+            self._high = max(min(priority, lo), hi) < lo
 
     @property
     def can_prioritise(self) -> bool:
@@ -44,7 +49,7 @@ class LaneStream:
 
     @property
     def high_priority(self) -> bool:
-        return self.stream is not None and self.stream.priority < self._lowest
+        return self.stream is not None and self._high
 
     def set_high_priority(self, high: bool) -> None:
         """Run the following blocks on a stream of the highest (or the lowest) priority. A
@@ -53,8 +58,8 @@ class LaneStream:
         if not self.can_prioritise:
             raise OSError("stream priorities need a CUDA stream with a priority range")
         if high not in self._streams:
-            self._streams[high] = torch.cuda.Stream(self.device, priority=self._highest if high else self._lowest)
-        self.stream = self._streams[high]
+            self._streams[high] = self.rt.new_stream(self._highest if high else self._lowest)
+        self.stream, self._high = self._streams[high], high
 
     @contextlib.contextmanager
     def use(self) -> Iterator[None]:
@@ -64,22 +69,21 @@ class LaneStream:
             yield
             return
         # The stream starts after what the thread's current stream already queued.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         try:
-            with torch.cuda.stream(stream):
+            with self.rt.use_stream(stream):
                 yield
         finally:
-            stream.synchronize()
+            self.rt.synchronize(stream)
 
     def hand_over(self, tensors) -> None:
         """Mark device ``tensors`` made on this stream as used by the default stream, where
         the other lanes consume them."""
         if self.stream is None:
             return
-        consumer = torch.cuda.default_stream(self.device)
+        consumer = self.rt.default_stream()
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                t.record_stream(consumer)
+            if isinstance(t, torch.Tensor):
+                self.rt.record_stream(t, consumer)
 
 
 def tensors_of(obj) -> list[torch.Tensor]:

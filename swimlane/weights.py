@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from dvla.policy import VLAPolicy
+from memory import runtime
 
 
 class DoubleBufferedWeights:
@@ -46,9 +47,7 @@ class DoubleBufferedWeights:
         """Mark replica ``idx`` complete as ``version``. The writer's device work (copies,
         broadcasts into it) is finished first: the inference lane may read it from a stream
         of its own (swimlane/streams.py)."""
-        device = self.flats[idx][0].device if self.flats[idx] else None
-        if device is not None and device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
+        runtime.current().synchronize()  # this thread's device work (a no-op on the CPU)
         with self._cv:
             self._writing = None
             self.versions[idx] = version

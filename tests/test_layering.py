@@ -3,11 +3,12 @@ level or inside a function, so that a cycle cannot hide behind a function-local 
 
 Layers, lowest first; a module imports only its own layer's modules and lower layers':
 
-0. ``planes``, ``memory``, ``launch``: infrastructure. Each owns its configuration and
-   errors and imports nothing from the others or from above.
-1. ``dvla`` (the core: config, policy, models, envs, algorithms, rollout, checkpoint, ...).
-2. ``swimlane``: the lanes, built from the core and the infrastructure.
-3. Entry points: ``dvla.launch``, ``dvla.cli``, ``dvla.report*``.
+0. ``memory``: the device runtime (every CUDA call, memory/runtime.py) and the memory pools.
+1. ``planes``, ``launch``: infrastructure. Each owns its configuration and errors and
+   imports nothing from the other or from above (the device runtime from below).
+2. ``dvla`` (the core: config, policy, models, envs, algorithms, rollout, checkpoint, ...).
+3. ``swimlane``: the lanes, built from the core and the infrastructure.
+4. Entry points: ``dvla.launch``, ``dvla.cli``, ``dvla.report*``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dvla", "planes", "swimlane", "memory", "launch")
 ENTRY_POINTS = ("dvla.launch", "dvla.cli", "dvla.report", "dvla.report_*")
-INDEPENDENT = ("planes", "memory", "launch")
+INDEPENDENT = ("planes", "launch")  # one layer, neither imports the other
 
 
 def modules() -> dict[str, Path]:
@@ -59,11 +60,13 @@ def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
 def layer_of(name: str) -> tuple[int, str]:
     """``(layer, unit)``: modules of one layer may import each other only within a unit."""
     if any(fnmatch.fnmatchcase(name, p) for p in ENTRY_POINTS):
-        return 3, "entry"
+        return 4, "entry"
     top = name.split(".")[0]
-    if top in INDEPENDENT:
+    if top == "memory":
         return 0, top
-    return (2, "swimlane") if top == "swimlane" else (1, "dvla")
+    if top in INDEPENDENT:
+        return 1, top
+    return (3, "swimlane") if top == "swimlane" else (2, "dvla")
 
 
 def graph() -> dict[str, set[str]]:
@@ -77,7 +80,8 @@ def test_the_import_walker_sees_function_local_and_relative_imports(tmp_path):
     (tmp_path / "pkg").mkdir()
     known["pkg.a"].write_text("from . import b\n\ndef f():\n    from other import thing\n    import pkg.b as x\n")
     assert imports_of("pkg.a", known["pkg.a"], known) == {"pkg", "pkg.b", "other"}
-    assert layer_of("dvla.report_gantt") == (3, "entry") and layer_of("memory.pools") == (0, "memory")
+    assert layer_of("dvla.report_gantt") == (4, "entry") and layer_of("memory.pools") == (0, "memory")
+    assert layer_of("planes.control") == (1, "planes") and layer_of("launch.topology") == (1, "launch")
 
 
 def test_no_import_goes_against_the_layer_order():

@@ -4,7 +4,6 @@ an update out (and applies the others' step) leaves the run where a fixed-role r
 
 from __future__ import annotations
 
-import copy
 import traceback
 from functools import partial
 
@@ -13,8 +12,7 @@ import torch
 from ranks import spawn_ranks
 from test_balance import Clock
 
-from dvla.algos import build_algorithm
-from dvla.config import AlgoConfig
+from dvla.config import apply_overrides
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
 from dvla.presets import debug
@@ -47,14 +45,33 @@ def _roles_worker(rank: int, port: int, out) -> None:
                               cfg.policy.options)
         batches = [collect_episodes(make_env(cfg.env, "cpu", seed=k), policy, 6, generator=torch.Generator()
                                     .manual_seed(k)) for k in range(5)]
-        acfg = AlgoConfig(name="ppo", lr=1e-2, update_epochs=2, minibatches=4)
         group = dist.new_group([0, 1])
-        runs = {"adaptive": (ADAPTIVE, True), "fixed": (FIXED, False),
-                "unmasked": (ADAPTIVE, False)}  # sitting out as a zero gradient in a plain mean: wrong
+        job = ["swimlane.topology=1x2", "swimlane.learner_ranks=2", "algo.name=ppo", "algo.lr=0.01",
+               "algo.update_epochs=2", "algo.minibatches=4", "memory.enabled=false", "algo.shard=none"]
+
+        def learner(*roles: str):
+            """A learner as a rank of such a job builds it (the plan, then build_model): the
+            product's own wiring of the gradient average."""
+            from swimlane.build import Groups, build_model
+            from swimlane.plan import plans_for
+
+            job_cfg = apply_overrides(cfg, [*job, *roles])
+            plan = plans_for(job_cfg, 2)[rank]
+            return build_model(job_cfg, plan, torch.device("cpu"), Groups(learner=group), None).algo
+
+        runs = {"adaptive": (ADAPTIVE, lambda: learner("swimlane.roles=adaptive")),
+                "fixed": (FIXED, lambda: learner()),
+                # sitting out as a zero gradient in a plain mean: wrong (the helper unmasked)
+                "unmasked": (ADAPTIVE, lambda: unmasked(learner("swimlane.roles=adaptive")))}
+
+        def unmasked(algo):
+            algo.grad_sync = partial(allreduce_mean_grads, group=group, masked=False)
+            return algo
+
+        start = [p.detach().clone() for p in learner().policy.parameters()]
         got, samples = {}, {}
-        for name, (plan, masked) in runs.items():
-            algo = build_algorithm(acfg, copy.deepcopy(policy), partial(allreduce_mean_grads, group=group,
-                                                                         masked=masked))
+        for name, (plan, make) in runs.items():
+            algo = make()
             samples[name] = []
             for update, which in enumerate(plan[rank]):
                 if which is None:
@@ -65,7 +82,7 @@ def _roles_worker(rank: int, port: int, out) -> None:
                     samples[name].append(s["samples"])
             got[name] = _state(algo)
         diff = {name: max(float((a - b).abs().max()) for a, b in zip(got[name], got["fixed"])) for name in got}
-        moved = max(float((a - b.detach()).abs().max()) for a, b in zip(got["fixed"], policy.parameters()))
+        moved = max(float((a - b).abs().max()) for a, b in zip(got["fixed"], start))
         digest = float(sum(t.double().sum() for t in got["adaptive"]))
         out.put((rank, {"diff": diff, "moved": moved, "samples": samples, "digest": digest}))
         dist.destroy_process_group()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from dvla.algos.base import Algorithm, GradSync
 from dvla.algos.grpo import GRPO
 from dvla.algos.ppo import PPO
@@ -11,10 +13,15 @@ from dvla.policy import VLAPolicy
 ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPO, "ppo": PPO}
 
 
-def build_algorithm(cfg: AlgoConfig, policy: VLAPolicy, grad_sync: GradSync | None = None) -> Algorithm:
+def build_algorithm(cfg: AlgoConfig, policy: VLAPolicy, grad_sync: GradSync | None = None,
+                    behaviour_dtype: torch.dtype | None = None) -> Algorithm:
+    """The learner ``algo.name`` names. ``behaviour_dtype``: the dtype of the weights that sample
+    the rollouts (the inference replicas, ``swimlane.publish_dtype``); where their numerics
+    differ from the learner's, every step's proximal log-prob is recomputed
+    (:attr:`Algorithm.behaviour_exact`). None: the learner's own."""
     if cfg.name not in ALGORITHMS:
         raise ConfigError(f"algo.name: unknown {cfg.name!r}; allowed: {', '.join(ALGORITHMS)}")
-    return ALGORITHMS[cfg.name](cfg, policy, grad_sync)
+    return ALGORITHMS[cfg.name](cfg, policy, grad_sync, behaviour_dtype=behaviour_dtype)
 
 
 __all__ = ["Algorithm", "GRPO", "PPO", "ALGORITHMS", "build_algorithm"]

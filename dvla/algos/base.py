@@ -21,6 +21,16 @@ the way from its behaviour policy to the policy being trained (``V + 1``), so
 ``log pi_prox = log pi_behav + lag / (lag + 1) * (log pi_theta - log pi_behav)``, with
 ``log pi_theta`` the training forward pass's own log-prob (no gradient through it). Fresh
 steps get ``lag = 0``: plain PPO, as with ``recompute``. It saves the extra forward pass.
+
+Behaviour log-probs computed with other numerics than the learner's (bf16 inference
+replicas, ``swimlane.publish_dtype=bf16``, against an fp32 learner; or fp32 replicas against
+``algo.precision=bf16``) are not the learner's log-probs even at identical weights: the
+ratio ``pi_theta / pi_behav`` of a fresh step would carry the rounding gap, summed over every
+action dimension of a joint ratio, and clip for no reason. The learner is told the
+replicas' dtype (``behaviour_dtype``); when the numerics differ it recomputes the proximal
+log-probs of *every* step (whatever ``algo.proximal`` says), in its own numerics, so that
+the clipped ratio ``pi_theta / pi_prox`` is 1 at unchanged weights and the precision gap
+lands in the truncated importance weight ``pi_prox / pi_behav`` (``algo.max_is_weight``).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from dvla.algos.losses import clipped_policy_loss, masked_mean
 from dvla.config import AlgoConfig
 from dvla.policy import VLAPolicy
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
+from memory import runtime
 
 _PROXIMAL_INPUTS = ("image", "proprio", "ids", "ids_mask", "actions", "action_valid", "behav_logp")
 
@@ -53,6 +64,22 @@ def extras_of(mb: dict[str, Tensor]) -> dict[str, Tensor]:
     """The rollout extras of a flattened minibatch (``extras.<name>`` entries)."""
     n = len(EXTRAS_PREFIX)
     return {k[n:]: v for k, v in mb.items() if k.startswith(EXTRAS_PREFIX)}
+
+
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where a small tensor of a collective on a group of ``backend`` (``dist.get_backend``)
+    goes: the CPU where the group takes CPU tensors (gloo; ``cpu:gloo,cuda:nccl``, the default
+    group's backends on CUDA, sends them over gloo), else ``device``, the learner's (NCCL alone
+    takes CUDA tensors only: a CPU tensor fails there with "No backend type associated with
+    device type cpu"). A ValueError where the group takes neither."""
+    takes = dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()
+    if "cpu" in takes:
+        return torch.device("cpu")
+    if device.type in takes:
+        return device
+    raise ValueError(f"a process group of backend {backend!r} takes tensors on {', '.join(takes)} only, "
+                     f"neither on the CPU nor on the learner's {device}")
+
 
 GradSync = Callable[..., int]
 """``sync(params, contributes=...)``: average the gradients over the learners (in place);
@@ -93,9 +120,13 @@ def param_groups(policy: VLAPolicy) -> list[dict]:
 class Algorithm(ABC):
     name: str
 
-    def __init__(self, cfg: AlgoConfig, policy: VLAPolicy, grad_sync: GradSync | None = None):
+    def __init__(self, cfg: AlgoConfig, policy: VLAPolicy, grad_sync: GradSync | None = None,
+                 behaviour_dtype: torch.dtype | None = None):
         self.cfg = cfg
         self.policy = policy
+        # The dtype of the weights that sample the rollouts (the inference replicas,
+        # swimlane.publish_dtype); None: the learner's own numerics.
+        self.behaviour_dtype = behaviour_dtype
         self.build_optimizer()
         self.grad_sync = grad_sync
         # The learners' group when they are sharded (dvla/sharding.py): every rank then makes
@@ -104,6 +135,17 @@ class Algorithm(ABC):
         self._totals: tuple[float, float] | None = None  # (samples, counted entries) of the minibatch, when micro-batched
         self._passes = 1  # forward and backward passes per minibatch, on every rank (sharded)
         self._dummy: dict[str, Tensor] | None = None  # a row for the padding passes (sharded)
+
+    @property
+    def behaviour_exact(self) -> bool:
+        """Whether the behaviour log-probs are what the learner itself computes at the same
+        weights: only when both sides run fp32 (or nobody said otherwise: ``behaviour_dtype``
+        None). A bf16 replica holds rounded weights and samples under bf16 autocast; a bf16
+        learner (``algo.precision``) keeps fp32 master weights and runs some ops in fp32:
+        neither matches the other, nor an fp32 side, to the bit."""
+        if self.behaviour_dtype is None:
+            return True
+        return self.behaviour_dtype == torch.float32 and self.cfg.precision == "fp32"
 
     def build_optimizer(self) -> None:
         """The optimizer over the policy's parameter groups (again after sharding: the
@@ -160,18 +202,22 @@ class Algorithm(ABC):
     @torch.no_grad()
     def proximal_log_probs(self, data: dict[str, Tensor], chunk: int, passes: int = 0) -> Tensor:
         """Log-probs of the recorded actions under the current weights (no gradient), in
-        forward passes of ``chunk`` steps. The update passes its minibatch size: a batch the
-        training step's forward pass already handles, and faster than one large pass (the
+        forward passes of ``chunk`` steps. The update passes its minibatch size (its micro-batch
+        size, ``algo.micro_batch``, where smaller): a batch the training step's forward pass
+        already handles, and faster than one large pass (the
         activations of a few hundred steps stay in cache: for the tiny VLA on a 2-core CPU,
         935 steps took about twice as long in one pass as in passes of 256). ``passes``:
         at least that many forward passes, padded with discarded ones (sharded learners)."""
         self.policy.eval()
         out = []
         rows = data["actions"].shape[0]
-        for s in range(0, rows, chunk):
-            out.append(self._evaluate({k: v[s : s + chunk] for k, v in data.items()}).log_probs)
-        for _ in range(len(out), passes):
-            self._evaluate(self._dummy)
+        # Under the training passes' autocast (algo.precision): the proximal policy is computed
+        # as the trained one is, or the ratio would not be 1 at unchanged weights.
+        with self._autocast():
+            for s in range(0, rows, chunk):
+                out.append(self._evaluate({k: v[s : s + chunk] for k, v in data.items()}).log_probs.float())
+            for _ in range(len(out), passes):
+                self._evaluate(self._dummy)
         return torch.cat(out) if out else data["behav_logp"][:0].clone()
 
     def _agree(self, *counts: int) -> list[int]:
@@ -179,9 +225,14 @@ class Algorithm(ABC):
         otherwise)."""
         if self.shard_group is None:
             return list(counts)
-        t = torch.tensor(counts, dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
-        return [int(c) for c in t]
+        where = collective_device(dist.get_backend(self.shard_group), self.policy.device)
+        t = torch.tensor(counts, dtype=torch.int64, device=where)
+        if where.type == "cpu":
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
+        else:  # on the device runtime's communication stream (memory/runtime.py)
+            with runtime.current().collective():
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
+        return [int(c) for c in t.tolist()]
 
     def update(self, batch: RolloutBatch, generator: torch.Generator | None = None,
                learner_version: int | None = None) -> dict[str, float]:
@@ -191,7 +242,9 @@ class Algorithm(ABC):
         an older ``policy_version`` make the update off-policy: proximal log-probs are
         recomputed (or interpolated, ``algo.proximal``) and the importance weights
         truncated (see the module docstring).
-        Without it (or when every step is current) the update is plain on-policy PPO.
+        Without it (or when every step is current) the update is plain on-policy PPO, unless
+        the behaviour log-probs come from other numerics than the learner's
+        (:attr:`behaviour_exact`): then every step's proximal log-prob is recomputed.
         """
         device = self.policy.device
         batch = batch.to(device)
@@ -202,6 +255,7 @@ class Algorithm(ABC):
         if learner_version is not None:
             lag = (learner_version - batch.policy_version[batch.valid]).float()
             stale = lag != 0
+        recompute_all = not self.behaviour_exact  # bf16 replicas: no step has its proximal log-prob
         n_all, stale_all = self._agree(n, int(stale.sum()) if stale is not None else 0)
         if n_all == 0:
             self.follow()
@@ -212,28 +266,32 @@ class Algorithm(ABC):
             size = -(-n_all // self.cfg.minibatches)
             self._passes = -(-size // self.cfg.micro_batch) if self.cfg.micro_batch else 1
         extra: dict[str, float] = {}
-        if stale is not None:
-            if n:
-                extra = {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
-            # The importance-weight stats come from the loss, minibatch by minibatch.
-            if stale_all:
-                if self.cfg.proximal == "loglinear":
-                    data["prox_alpha"] = lag / (lag + 1)  # interpolated in _step, per minibatch
+        if stale is not None and n:
+            extra = {"staleness_mean": float(lag.mean()), "staleness_max": float(lag.max())}
+        # The importance-weight stats come from the loss, minibatch by minibatch.
+        if recompute_all or (stale is not None and stale_all):
+            if self.cfg.proximal == "loglinear" and not recompute_all:
+                data["prox_alpha"] = lag / (lag + 1)  # interpolated in _step, per minibatch
+            else:
+                # Steps sampled by the learner's current weights, in its own numerics, already
+                # have their proximal log-probs: the behaviour ones. Only the stale steps need a
+                # forward pass; every step does when the behaviour ran in other numerics
+                # (loglinear too: its interpolation starts from the behaviour log-probs and
+                # would keep their gap in the clipped ratio).
+                chunk = -(-n_all // self.cfg.minibatches)  # what a training pass holds: a minibatch,
+                chunk = min(chunk, self.cfg.micro_batch or chunk)  # or a micro-batch where smaller
+                need = n_all if recompute_all else stale_all  # the most rows on any learner
+                passes = -(-need // chunk) if self.shard_group is not None else 0
+                if recompute_all or bool(stale.all()):
+                    data["prox_logp"] = self.proximal_log_probs(data, chunk, passes)
                 else:
-                    # Steps sampled by the learner's current weights already have their proximal
-                    # log-probs: the behaviour ones. Only the stale steps need a forward pass.
-                    chunk = -(-n_all // self.cfg.minibatches)
-                    passes = -(-stale_all // chunk) if self.shard_group is not None else 0
-                    if bool(stale.all()):
-                        data["prox_logp"] = self.proximal_log_probs(data, chunk, passes)
-                    else:
-                        prox = data["behav_logp"].clone()
-                        rows = stale.nonzero(as_tuple=True)[0]
-                        prox[rows] = self.proximal_log_probs(
-                            {k: v[rows] for k, v in data.items()
-                             if k in _PROXIMAL_INPUTS or k.startswith((EXTRAS_PREFIX, CAMERAS_PREFIX))},
-                            chunk, passes)
-                        data["prox_logp"] = prox
+                    prox = data["behav_logp"].clone()
+                    rows = stale.nonzero(as_tuple=True)[0]
+                    prox[rows] = self.proximal_log_probs(
+                        {k: v[rows] for k, v in data.items()
+                         if k in _PROXIMAL_INPUTS or k.startswith((EXTRAS_PREFIX, CAMERAS_PREFIX))},
+                        chunk, passes)
+                    data["prox_logp"] = prox
         self.policy.train(self.cfg.train_mode)  # eval by default: the rollouts' mode (algo.train_mode)
         sums: dict[str, float] = {}
         count = 0

@@ -21,8 +21,8 @@ from dvla.types import RolloutBatch
 class GRPO(Algorithm):
     name = "grpo"
 
-    def __init__(self, cfg, policy, grad_sync=None):
-        super().__init__(cfg, policy, grad_sync)
+    def __init__(self, cfg, policy, grad_sync=None, behaviour_dtype=None):
+        super().__init__(cfg, policy, grad_sync, behaviour_dtype)
         self.reference = None
         if cfg.kl_coef > 0:
             self.reference = copy.deepcopy(policy).eval().requires_grad_(False)

@@ -13,10 +13,10 @@ from dvla.types import RolloutBatch
 class PPO(Algorithm):
     name = "ppo"
 
-    def __init__(self, cfg, policy, grad_sync=None):
+    def __init__(self, cfg, policy, grad_sync=None, behaviour_dtype=None):
         if not policy.has_value_head:
             raise ConfigError("algo.name: 'ppo' needs a policy with a value head (e.g. tiny_vla value_head=true)")
-        super().__init__(cfg, policy, grad_sync)
+        super().__init__(cfg, policy, grad_sync, behaviour_dtype)
 
     def advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
         done = batch.terminated | batch.truncated

@@ -151,6 +151,16 @@ class SwimlaneConfig:
     hierarchical_broadcast: bool = True
     """Across hosts, send each weights version once to one leader rank per host, which
     fans it out locally. False: one flat broadcast group over all ranks."""
+    collective_backend: Literal["auto", "gloo"] = "auto"
+    """``auto``: NCCL for CUDA tensors (weights, gradients) and gloo for CPU tensors.
+    ``gloo``: gloo for everything, CUDA tensors included (staged through host memory), for
+    ranks that share one GPU (NCCL needs a GPU per rank): the one-GPU suite's two-process
+    job, or rollout ranks packed onto fewer GPUs."""
+    collective_timeout_s: float = bounded(600.0, gt=0)
+    """Longest a collective may wait for its peers, on every process group of the job (the
+    default group, the learners', the control plane's), before the run fails. No collective
+    waits for the next weights version (it is announced on the store first), so this bounds
+    a transfer or an update's all-reduce, not the gap between versions."""
     gradient_nice: int = bounded(0, ge=0, le=19)
     """Niceness added to the gradient lane's thread (Linux; elsewhere ignored with a
     warning). Where lanes share too few CPU cores, simulation is the critical path and

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from dvla.config import ConfigError
+from dvla.envs.egl_devices import choose_render_device
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10")
 EVAL_STEPS = {"libero_spatial": 220, "libero_object": 280, "libero_goal": 300, "libero_10": 520}
@@ -103,8 +104,14 @@ class LiberoHost:
     Every method returns plain numpy arrays, one row per env it holds."""
 
     def __init__(self, suite: str, task_ids: list[int], image_size: int, wrist_size: int, render: bool,
-                 settle_steps: int, seed: int, render_gpu: int = -1):
+                 settle_steps: int, seed: int, render_gpu: int = -1, render_pci: str | None = None,
+                 render_gpus: int | None = None):
+        """``render_gpu``: the CUDA ordinal of the rank's GPU (-1: render on the CPU), its PCI
+        address ``render_pci`` and the number of CUDA devices the rank sees, ``render_gpus``:
+        the EGL device is the one that matches them (:mod:`dvla.envs.egl_devices`)."""
         _, _, ControlEnv, OffScreenRenderEnv = _import_libero()
+        if render and render_gpu >= 0:  # after the import: robosuite's asserts on MUJOCO_EGL_DEVICE_ID
+            render_gpu = choose_render_device(render_pci, render_gpu, render_gpus)
         self.tasks = LiberoTasks(suite)
         self.task_ids = task_ids
         self.image_size, self.wrist_size, self.render = image_size, wrist_size, render

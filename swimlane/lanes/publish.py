@@ -116,8 +116,8 @@ class ReceiveLane:
         a stop while waiting for its turn)."""
         if self.order is not None and not self.order.before_broadcast(self.order.next_published(self.last), self.stop):
             return False
-        version = self.bc.receive_version()
-        if version == self.shutdown_marker:
+        version = self.bc.receive_version(self.stop)  # on the store: no collective waits for it
+        if version is None or version == self.shutdown_marker:
             return False
         if self.on_header is not None:
             self.on_header(self.bc.header)

@@ -123,7 +123,8 @@ class SamplingLane:
                 state.lease = self.host_pool.lease()
                 alloc = state.lease.empty
             state.recorder = EpisodeRecorder(env, self.cfg.action_chunk, self.cfg.episode_len, alloc=alloc,
-                                             extras=self.cfg.extras, cameras=self.cfg.cameras)
+                                             extras=self.cfg.extras, cameras=self.cfg.cameras,
+                                             async_copies=self.host_pool is not None and self.host_pool.pin_memory)
             state.recorder.start(obs)
         self.requests.put(Request(g, "act", obs))
 
