@@ -22,6 +22,11 @@ diagnostic: the dvla path's frames (same sender) are received as plain ZeroMQ fr
 decoded, so the ratio shows what the receiving side's decoding costs.
 
     python bench/data_plane.py --messages 200 --blocks 10 --transport ipc
+    python bench/data_plane.py --messages 200 --blocks 10 --transport tcp --curve
+
+``--curve`` encrypts the dvla path with CurveZMQ (the raw path stays plain), so its ratio
+shows what encryption costs; comparing ``--transport ipc`` with ``tcp`` shows what the
+single-host default (ipc only, no tcp port) saves.
 """
 
 from __future__ import annotations
@@ -129,6 +134,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=10, help="blocks of each kind")
     ap.add_argument("--transport", choices=["ipc", "tcp"], default="ipc")
     ap.add_argument("--default-malloc", action="store_true", help="leave glibc malloc's settings alone")
+    ap.add_argument("--curve", action="store_true",
+                    help="the dvla path encrypted with CurveZMQ (data_plane.curve; the raw path stays plain)")
     ap.add_argument("--no-decode", action="store_true",
                     help="diagnostic: receive the dvla path's frames without decoding them")
     args = ap.parse_args()
@@ -138,7 +145,8 @@ def main() -> None:
     raw = ctx.socket(zmq.PULL)
     raw.setsockopt(zmq.RCVHWM, 8)
     raw_address = _bind(raw, args.transport)
-    rx = TrajectoryReceiver(DataPlaneConfig(transport=args.transport, keep_receive_buffers=not args.default_malloc))
+    rx = TrajectoryReceiver(DataPlaneConfig(transport=args.transport, keep_receive_buffers=not args.default_malloc,
+                                            curve=args.curve))
     endpoints, frames_only = rx.endpoints, None
     if args.no_decode:  # the sender's data and heartbeats go to plain sockets; heartbeats are never read
         frames_only, hb = ctx.socket(zmq.PULL), ctx.socket(zmq.PULL)
@@ -197,6 +205,7 @@ def main() -> None:
     mb = size * (n - 1) / 1e6
     malloc = "glibc defaults" if args.default_malloc else "receive buffers kept"
     decode = ", dvla frames received WITHOUT decoding (diagnostic)" if args.no_decode else ""
+    decode += ", dvla path CurveZMQ-encrypted" if args.curve else ""
     print(f"chunk {size / 1e6:.2f} MB, {args.blocks} blocks x {n} messages of each kind, {args.transport}, "
           f"{malloc}{decode}")
     for name in ("raw", "dvla"):

@@ -63,11 +63,16 @@ class DataPlaneConfig:
     mmap threshold goes to 32 MiB and its trim threshold to 32 MiB (``mallopt``, process
     wide, once), so ZeroMQ's multi-MB receive buffers come from memory already mapped
     instead of fresh pages that fault in on every message. False leaves malloc alone."""
+    require_auth: bool = False
+    """Refuse to start a receiver that would listen on tcp without
+    ``curve_authorized_dir`` (without it, a multi-host job starts with one warning).
+    On one host the data plane uses ipc in a directory only the job's user can open."""
     curve: bool = False
     """Encrypt with CurveZMQ (the receiver's public key travels through the store)."""
     curve_authorized_dir: str | None = None
     """With ``curve``: only clients whose public keys (``*.key``) are in this directory may
-    connect (others are refused and counted as ``curve_auth``). A training job needs
+    connect (others are refused and counted as ``curve_auth``), each under its file's name
+    (``rank3.key``: ``rank3``; a message claiming another name is rejected). A training job needs
     ``curve_keys_dir`` with it."""
     curve_keys_dir: str | None = None
     """With ``curve``: where each rank finds its persistent client key

@@ -11,10 +11,19 @@ keeps reading while it deliberately leaves the data socket unread (backpressure)
 slow learner never mistakes a blocked sender for a dead one. A sender is declared dead
 when nothing has been heard from it for ``peer_timeout_s``.
 
-Addresses are not configured by hand: the receiver binds an ``ipc://`` endpoint (same
-host) and a ``tcp://`` endpoint (random port; loopback on one host, the address that
-routes to the rendezvous host across hosts: :mod:`planes.addresses`) and publishes both, with its host name, in the torch.distributed store that
-torchrun already runs. A sender on the same host uses ipc, others tcp.
+Addresses are not configured by hand: the receiver binds ``ipc://`` endpoints in a fresh
+directory of mode 0700 (only the job's user can reach them) and, only where some sender runs
+on another host (or ``transport=tcp``), a ``tcp://`` endpoint (random port, on the address
+that routes to the rendezvous host: :mod:`planes.addresses`); it publishes them, with its
+host name, in the torch.distributed store that torchrun already runs. A sender on the same
+host uses ipc, others tcp. A tcp endpoint without listed keys starts with one warning
+(``require_auth`` refuses it).
+
+A sender's name is taken from its connection, never from the envelope
+(:mod:`planes.identity`): every connection is named by the receiver's ZAP handler
+(:mod:`planes.zap`: its CurveZMQ key's name where keys are listed, else a fresh id bound to
+the first name it claims), so heartbeats, ``end`` and counts only change the records of the
+peer that sent them, and counts must be plausible.
 
 Who reads the data socket: the consumer's own thread while it waits in ``get`` (no hand-off
 between threads per message when the learner keeps up), and a background thread while the

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -18,7 +19,8 @@ from torch import Tensor
 
 from planes.addresses import endpoint_hosts, is_loopback
 from planes.config import DataPlaneConfig, check
-from planes.zap import CurveAllowList
+from planes.identity import MIN_IN_FLIGHT, PeerRecords, user_id
+from planes.zap import Gate, ZapHandler, load_public_keys, refuse_or_warn_unauthenticated
 
 _ENVELOPE_SLACK = 64 << 10  # a message's envelope (names, dtypes, shapes, meta) fits in this
 from planes.serial import (
@@ -58,10 +60,12 @@ class TrajectoryReceiver:
         check(self.cfg)
         self.bind_host, self.advertise_host = endpoint_hosts(self.cfg.bind_host, self.cfg.advertise_host,
                                                              peers_elsewhere=peers_elsewhere, rendezvous=rendezvous)
-        if self.cfg.transport != "ipc" and not is_loopback(self.bind_host) and not self.cfg.curve_authorized_dir:
-            log.warning("data plane: listening on %s without data_plane.curve_authorized_dir: any host that reaches "
-                        "it can connect and send (each message is checked and bounded); on a network you do not "
-                        "trust, admit only your ranks' keys (dvla keys)", self.bind_host)
+        # tcp only where some sender is on another host (or asked for): on one host the
+        # ipc directory's mode keeps other users out, and no port is open at all.
+        self._tcp = self.cfg.transport == "tcp" or (self.cfg.transport == "auto" and peers_elsewhere)
+        self._ipc = self.cfg.transport in ("auto", "ipc")
+        if self._tcp and not self.cfg.curve_authorized_dir:
+            refuse_or_warn_unauthenticated(self.cfg.require_auth, self.bind_host, is_loopback(self.bind_host))
         if self.cfg.keep_receive_buffers:
             keep_freed_memory_for_reuse()
         self.ctx = ctx or zmq.Context.instance()
@@ -73,23 +77,29 @@ class TrajectoryReceiver:
         self._room: queue.SimpleQueue[None] = queue.SimpleQueue()
         for _ in range(self.cfg.recv_queue):
             self._room.put(None)
-        self._peers: dict[str, float] = {}
-        self._dead: dict[str, float] = {}
-        self._sent: dict[str, int] = {}  # per sender: messages it says it has sent
+        # Who sent what, bound to connections; counts may run ahead of arrivals by what the
+        # queues between a sender and this receiver can hold, and a margin for the kernel's.
+        queues = self.cfg.send_hwm + self.cfg.recv_hwm + self.cfg.recv_queue
+        self.peers = PeerRecords(MIN_IN_FLIGHT + 2 * queues)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self.public_key = None
-        self._auth: CurveAllowList | None = None
+        keys = None
         if self.cfg.curve:
             public, self._secret = zmq.curve_keypair()
             self.public_key = public
             if self.cfg.curve_authorized_dir:  # refusals are counted as rejected "curve_auth"
-                self._auth = CurveAllowList(self.ctx, self.cfg.curve_authorized_dir, on_refused=self._refused)
+                keys = load_public_keys(self.cfg.curve_authorized_dir)
+        # Every connection is named by the ZAP handler (its key's name, or a fresh one).
+        self._zap_domain = f"dvla-{uuid.uuid4().hex}".encode()
+        self._zap = ZapHandler.attach(self.ctx, self._zap_domain, Gate(keys, on_refused=self._refused))
         self.endpoints: dict[str, str] = {"host": _hostname()}
-        self._ipc_paths: list[str] = []
-        if self.cfg.transport in ("auto", "ipc"):
+        self._ipc_dir: str | None = None
+        if self._ipc:
             remove_stale_ipc_files()
+            # mkdtemp: mode 0700, so only this user can reach the sockets inside.
+            self._ipc_dir = tempfile.mkdtemp(prefix=f"dvla-{os.getpid()}-")
         # Data and heartbeats arrive on separate sockets so that liveness is still seen
         # while the data socket is deliberately left unread (backpressure).
         self._sock = self._bind("", self.cfg.recv_hwm)
@@ -103,6 +113,8 @@ class TrajectoryReceiver:
         self._hb_sock = self._bind("hb_", 64)
         if self.public_key is not None:
             self.endpoints["curve_public_key"] = self.public_key.decode()
+        log.info("data plane: receiving on %s%s", ", ".join(v for k, v in self.endpoints.items() if "://" in v),
+                 " (ipc directory mode 0700)" if self._ipc else "")
         if store is not None:
             store.set(key, msgpack.packb(self.endpoints))
         self._thread = threading.Thread(target=self._run, name="dvla-data-recv", daemon=True)
@@ -110,26 +122,25 @@ class TrajectoryReceiver:
 
     def _bind(self, prefix: str, hwm: int) -> zmq.Socket:
         sock = self.ctx.socket(zmq.PULL)
-        if self._auth is not None:
-            # Measured with libzmq 4.3.5: behind a ZAP handler a receive HWM of 1 delivers
-            # nothing at all (the handshake succeeds, every message stays queued at the sender).
-            hwm = max(hwm, 2)
+        # Measured with libzmq 4.3.5: behind a ZAP handler (every socket here) a receive HWM
+        # of 1 delivers nothing at all (the handshake succeeds, every message stays queued).
+        hwm = max(hwm, 2)
         sock.setsockopt(zmq.RCVHWM, hwm)
         sock.setsockopt(zmq.LINGER, 0)
         # Per frame: a bigger one drops the connection before libzmq buffers it. Heartbeats
         # are a few hundred bytes.
         frame = (self.cfg.max_frame_bytes or self.cfg.max_message_bytes) + _ENVELOPE_SLACK
         sock.setsockopt(zmq.MAXMSGSIZE, frame if prefix == "" else _ENVELOPE_SLACK)
+        sock.zap_domain = self._zap_domain
         if self.public_key is not None:
             sock.curve_secretkey = self._secret
             sock.curve_publickey = self.public_key
             sock.curve_server = True
-        if self.cfg.transport in ("auto", "ipc"):
-            path = os.path.join(tempfile.gettempdir(), f"dvla-{os.getpid()}-{uuid.uuid4().hex[:12]}.sock")
+        if self._ipc:
+            path = os.path.join(self._ipc_dir, f"{prefix.rstrip('_') or 'data'}.sock")
             sock.bind(f"ipc://{path}")
             self.endpoints[prefix + "ipc"] = f"ipc://{path}"
-            self._ipc_paths.append(path)
-        if self.cfg.transport in ("auto", "tcp"):
+        if self._tcp:
             port = sock.bind_to_random_port(f"tcp://{self.bind_host}")
             self.endpoints[prefix + "tcp"] = f"tcp://{self.advertise_host}:{port}"
         return sock
@@ -220,6 +231,9 @@ class TrajectoryReceiver:
         zero-copy from ZeroMQ."""
         head = sock.recv(flags=flags, copy=False)
         more = head.more
+        user = user_id(head)  # the connection's name (planes.identity)
+        if sock is self._sock:  # one reader at a time (_sock_lock)
+            self.peers.arrived[user] += 1
         try:
             kind, meta, (specs, packed_size, offsets, _) = decode_head(head.buffer, self.cfg.max_message_bytes)
             out: list[Tensor | None] = [None] * len(specs)
@@ -254,34 +268,31 @@ class TrajectoryReceiver:
             while more:  # drop the rest of the message
                 sock.recv_into(_DISCARD, flags=zmq.NOBLOCK)
                 more = sock.getsockopt(zmq.RCVMORE)
-            with self._lock:  # heartbeats (background thread) and data (either thread) both count here
-                self.counters.rejected[exc.reason] += 1
-                n = self.counters.rejected[exc.reason]
-            if n <= 5 or n % 1000 == 0:  # a peer sending garbage must not flood the log
-                log.error("data plane: rejected message (%s so far of this kind): %s", n, exc)
+            self._reject(exc.reason, str(exc), user)
             return None
-        now = time.monotonic()
         with self._lock:
-            if sender in self._dead:
-                log.warning("data plane: sender %s is alive again", sender)
-                del self._dead[sender]
-            self._peers[sender] = now
-            sent = meta.get("sent") if kind == HEARTBEAT_KIND else seq + 1
-            if isinstance(sent, int) and sent > self._sent.get(sender, 0):
-                self._sent[sender] = sent
+            bad = self.peers.admit(on_heartbeats=sock is self._hb_sock, heartbeat=kind == HEARTBEAT_KIND, user=user,
+                                   sender=sender, seq=seq, sent=meta.get("sent"), now=time.monotonic())
+        if bad is not None:
+            self._reject(*bad, user)
+            return None
         if kind == HEARTBEAT_KIND:
             return None
         self.counters.received += 1
         return Message(kind=kind, meta=meta, tensors=tensors, sender=sender, seq=seq)
 
+    def _reject(self, reason: str, detail: str, user: str) -> None:
+        with self._lock:  # heartbeats (background thread) and data (either thread) both count here
+            self.counters.rejected[reason] += 1
+            n = self.counters.rejected[reason]
+            name = self.peers.data.name_of.get(user) or self.peers.heartbeats.name_of.get(user)
+        if n <= 5 or n % 1000 == 0:  # a peer sending garbage must not flood the log
+            who = f"{user or 'an unnamed connection'}" + (f" ({name})" if name and name != user else "")
+            log.error("data plane: rejected a message from %s (%s, %d so far): %s", who, reason, n, detail)
+
     def _check_peers(self) -> None:
-        now = time.monotonic()
         with self._lock:
-            for peer, seen in list(self._peers.items()):
-                if now - seen > self.cfg.peer_timeout_s:
-                    del self._peers[peer]
-                    self._dead[peer] = now
-                    log.error("data plane: sender %s silent for %.1fs, declared dead", peer, now - seen)
+            self.peers.expire(time.monotonic(), self.cfg.peer_timeout_s)
 
     # -- consumer API ----------------------------------------------------------------------
     def get(self, timeout: float | None = None) -> Message | None:
@@ -346,12 +357,12 @@ class TrajectoryReceiver:
     @property
     def live_peers(self) -> list[str]:
         with self._lock:
-            return sorted(self._peers)
+            return sorted(self.peers.seen)
 
     @property
     def dead_peers(self) -> list[str]:
         with self._lock:
-            return sorted(self._dead)
+            return sorted(self.peers.dead)
 
     @property
     def reported_sent(self) -> dict[str, int]:
@@ -359,7 +370,7 @@ class TrajectoryReceiver:
         heartbeats and the sequence numbers received); more than arrived means some are
         still in flight or were lost."""
         with self._lock:
-            return dict(self._sent)
+            return dict(self.peers.sent)
 
     def close(self) -> None:
         self._stop.set()
@@ -369,11 +380,9 @@ class TrajectoryReceiver:
         if locked:
             self._sock_lock.release()
         self._hb_sock.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        for path in self._ipc_paths:
-            if os.path.exists(path):
-                os.unlink(path)
+        self._zap.detach(self._zap_domain)
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def __enter__(self):
         return self

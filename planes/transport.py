@@ -11,6 +11,7 @@ import glob
 import logging
 import os
 import platform
+import shutil
 import socket
 import tempfile
 from dataclasses import dataclass, field
@@ -80,23 +81,28 @@ def keep_freed_memory_for_reuse() -> bool:
 
 
 def remove_stale_ipc_files(directory: str | None = None) -> list[str]:
-    """Delete the ``ipc://`` socket files that receivers of processes no longer alive left
-    behind (a killed run cannot remove its own); returns the paths removed. A receiver's
-    file is named ``dvla-<pid>-<random>.sock``; files of live processes and of other users
-    are left alone."""
+    """Delete the ``ipc://`` socket directories (and older single socket files) that
+    receivers of processes no longer alive left behind (a killed run cannot remove its
+    own); returns the paths removed. A receiver's directory is named ``dvla-<pid>-<random>``
+    (a file: ``dvla-<pid>-<random>.sock``); those of live processes and of other users are
+    left alone."""
     directory = directory or tempfile.gettempdir()
     removed = []
-    for path in glob.glob(os.path.join(directory, "dvla-*-*.sock")):
+    for path in glob.glob(os.path.join(directory, "dvla-*-*")):
         pid = os.path.basename(path).split("-")[1]
-        if not pid.isdigit() or int(pid) == os.getpid():
+        is_dir = os.path.isdir(path) and not os.path.islink(path)
+        if not pid.isdigit() or int(pid) == os.getpid() or not (is_dir or path.endswith(".sock")):
             continue
         try:
-            if os.stat(path).st_uid != os.getuid():
+            if os.lstat(path).st_uid != os.getuid():
                 continue
             os.kill(int(pid), 0)
-        except ProcessLookupError:  # no such process: the file is stale
+        except ProcessLookupError:  # no such process: stale
             try:
-                os.unlink(path)
+                if is_dir:
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
                 removed.append(path)
             except FileNotFoundError:  # another receiver removed it first
                 pass

@@ -147,23 +147,38 @@ class RemoteChunkSource:
         self.invalid = 0
 
     def get(self, timeout: float) -> Chunk | None:
+        """The next valid chunk, or None. The data plane has tied ``msg.sender`` to the
+        connection it came on (:mod:`planes.identity`); the chunk's ``meta`` gets it as
+        ``sender``, and a ``rank`` in ``meta`` must agree with it."""
         msg = self.receiver.get(timeout=timeout)
         if msg is None:
             return None
         if msg.kind == END_KIND:
-            total = msg.meta.get("chunks")
-            self.ended[msg.sender] = total if isinstance(total, int) else self.received[msg.sender]
+            total = msg.meta.get("chunks", self.received[msg.sender])
+            # Every chunk of this sender came before its end on the same connection; it can
+            # have sent at most as many messages as its end's sequence number says.
+            if not isinstance(total, int) or isinstance(total, bool) or not 0 <= total <= msg.seq:
+                self._reject(msg.sender, f"end claims {total!r} chunks sent, before message {msg.seq}")
+                total = self.received[msg.sender]
+            self.ended[msg.sender] = total
             return None
         self.received[msg.sender] += 1
         try:
             if msg.kind != CHUNK_KIND:
                 raise ChunkError(f"unexpected message kind {msg.kind!r}")
-            return Chunk(batch_from_tensors(msg.tensors, self.fields), msg.meta, None)
+            rank = msg.meta.get("rank")
+            if rank is not None and msg.sender.startswith("rank") and f"rank{rank}" != msg.sender:
+                raise ChunkError(f"meta claims rank {rank!r}")
+            meta = {**msg.meta, "sender": msg.sender}
+            return Chunk(batch_from_tensors(msg.tensors, self.fields), meta, None)
         except ChunkError as exc:
             self.invalid += 1
-            self.receiver.counters.rejected["invalid_chunk"] += 1
-            logging.getLogger("dvla.swimlane").error("rejected chunk from %s: %s", msg.sender, exc)
+            self._reject(msg.sender, exc)
             return None
+
+    def _reject(self, sender: str, why) -> None:
+        self.receiver.counters.rejected["invalid_chunk"] += 1
+        logging.getLogger("dvla.swimlane").error("rejected chunk from %s: %s", sender, why)
 
     def depth(self) -> int:
         return self.receiver.depth()

@@ -27,6 +27,7 @@ COUNTERS: dict[str, str] = {
     "rejected_shape": "gradient",
     "rejected_instruction_ids": "gradient",
     "rejected_non_finite": "gradient",
+    "rejected_range": "gradient",
     "rejected_version": "gradient",
     "rejected_extras": "gradient",
     "rejected_episodes": "gradient",

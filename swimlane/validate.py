@@ -4,8 +4,14 @@ A chunk comes from another process (or host): a bug, a broken simulator or a hos
 can send one that decodes fine (:func:`swimlane.chunks.batch_from_tensors` checks names,
 dtypes and leading dims) and still crashes the learner or poisons its weights: a proprio
 of the wrong width, an instruction id past the vocabulary, a NaN reward, a version newer
-than the learner's (a negative lag turns ``algo.proximal=loglinear`` into NaN). Each is
-rejected with a reason (:data:`REASONS`), counted, and never reaches the update.
+than the learner's (a negative lag turns ``algo.proximal=loglinear`` into NaN), or values
+that are finite but absurd (a reward of 3e38 overflows the returns, and three non-finite
+updates in a row stop the run). Rewards must lie in the env's declared
+``EnvSpec.reward_range``; log-probs, values and returns within ``algo.max_abs_log_prob``,
+``algo.max_abs_value`` and ``algo.max_abs_return`` (a return is bounded by the sum of a
+chunk's absolute rewards plus its largest bootstrap value). Each is rejected with a reason
+(:data:`REASONS`), counted, and never reaches the update; the learner's log names the
+sender (``meta["rank"]``, checked against the connection by the data plane).
 """
 
 from __future__ import annotations
@@ -16,13 +22,13 @@ from dataclasses import dataclass
 import torch
 
 from dvla.distributions import ExtraSpec
-from dvla.envs.base import EnvSpec
+from dvla.envs.base import DEFAULT_REWARD_RANGE, EnvSpec
 from dvla.episodes import rollout_fields
 from dvla.rollout import cameras_of
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, RolloutBatch
 from swimlane.chunks import DTYPES
 
-REASONS = ("shape", "instruction_ids", "non_finite", "version", "extras", "episodes")
+REASONS = ("shape", "instruction_ids", "non_finite", "range", "version", "extras", "episodes")
 """Why a chunk was rejected; the ledger counts ``rejected_<reason>``."""
 
 
@@ -42,11 +48,26 @@ class ChunkSpec:
     """(name, shape, dtype, high) of each of the policy's ``rollout_extras()``."""
     cameras: tuple[tuple[str, tuple[int, int, int]], ...] = ()
     """(name, (C, H, W)) of each further camera the policy reads."""
+    reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
+    """The env's declared reward range (``EnvSpec.reward_range``)."""
+    max_abs_log_prob: float = 1e4
+    """Bounds from the job (``algo.max_abs_log_prob``, ``max_abs_value``, ``max_abs_return``)."""
+    max_abs_value: float = 1e6
+    max_abs_return: float = 1e6
 
     @classmethod
-    def for_policy(cls, policy, n_envs: int, episode_len: int) -> ChunkSpec:
+    def for_policy(cls, policy, n_envs: int, episode_len: int, *, env_spec: EnvSpec | None = None,
+                   algo=None) -> ChunkSpec:
+        """``env_spec``: the env's spec (its reward range); ``algo``: the job's ``AlgoConfig``
+        (value bounds). Either left out: the defaults."""
         s = policy.spec
-        return cls(image_shape=tuple(s.image_shape), proprio_dim=s.proprio_dim, action_dim=s.action_dim,
+        bounds = {}
+        if env_spec is not None:
+            bounds["reward_range"] = tuple(env_spec.reward_range)
+        if algo is not None:
+            bounds.update(max_abs_log_prob=algo.max_abs_log_prob, max_abs_value=algo.max_abs_value,
+                          max_abs_return=algo.max_abs_return)
+        return cls(**bounds, image_shape=tuple(s.image_shape), proprio_dim=s.proprio_dim, action_dim=s.action_dim,
                    action_chunk=s.action_chunk, n_envs=n_envs, max_steps=episode_len,
                    vocab_size=getattr(policy.tokenizer, "vocab_size", None),
                    max_tokens=getattr(policy.tokenizer, "max_len", 64),
@@ -104,6 +125,9 @@ def check_chunk(batch: RolloutBatch, spec: ChunkSpec, learner_version: int) -> t
     for name in floats:
         if not bool(torch.isfinite(tensors[name]).all()):
             return "non_finite", f"{name} holds NaN or inf"
+    bad = check_ranges(tensors, spec)
+    if bad is not None:
+        return "range", bad
     for name, _, dtype, high in spec.extras:
         x = tensors[EXTRAS_PREFIX + name]
         if high is not None and x.numel() and (int(x.min()) < 0 or int(x.max()) >= high):
@@ -116,4 +140,24 @@ def check_chunk(batch: RolloutBatch, spec: ChunkSpec, learner_version: int) -> t
         lo, hi = int(versions.min()), int(versions.max())
         if lo < 0 or hi > learner_version:
             return "version", f"policy versions {lo}..{hi}, the learner is at {learner_version}"
+    return None
+
+
+def check_ranges(tensors: dict[str, torch.Tensor], spec: ChunkSpec) -> str | None:
+    """Why finite values are still absurd (None: they are not)."""
+    lo, hi = spec.reward_range
+    r = tensors["rewards"]
+    if r.numel() and (float(r.min()) < lo or float(r.max()) > hi):
+        return f"rewards in [{float(r.min()):.4g}, {float(r.max()):.4g}], the env declares [{lo:.4g}, {hi:.4g}]"
+    for names, bound, what in ((("log_probs", "action_log_probs"), spec.max_abs_log_prob, "algo.max_abs_log_prob"),
+                               (("values", "bootstrap"), spec.max_abs_value, "algo.max_abs_value")):
+        for name in names:
+            x = tensors[name]
+            if x.numel() and float(x.abs().max()) > bound:
+                return f"{name} reaches {float(x.abs().max()):.4g}, beyond {what}={bound:.4g}"
+    if r.numel():
+        # |return| <= sum of |rewards| + the largest |bootstrap| (discount <= 1)
+        reach = float(r.double().abs().sum(0).max()) + float(tensors["bootstrap"].double().abs().max())
+        if reach > spec.max_abs_return:
+            return f"returns may reach {reach:.4g}, beyond algo.max_abs_return={spec.max_abs_return:.4g}"
     return None

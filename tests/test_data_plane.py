@@ -259,8 +259,9 @@ def test_dead_sender_is_detected_within_timeout(store):
 
 @pytest.mark.parametrize("hwm", [1, 8])
 def test_curve_encryption_and_client_authorisation(tmp_path, hwm):
-    """A listed client gets through, an unlisted one is refused and counted; also with a
-    receive HWM of 1 (behind a ZAP handler libzmq then delivered nothing: raised to 2)."""
+    """A listed client gets through under its key's name, an unlisted one is refused and
+    counted; also with a receive HWM of 1 (behind a ZAP handler libzmq then delivered
+    nothing: raised to 2)."""
     keys = tmp_path / "keys"
     allowed = tmp_path / "allowed"
     keys.mkdir()
@@ -272,10 +273,10 @@ def test_curve_encryption_and_client_authorisation(tmp_path, hwm):
                           send_hwm=hwm, recv_hwm=hwm)
     with TrajectoryReceiver(cfg) as rx:
         assert "curve_public_key" in rx.endpoints
-        with TrajectorySender(rx.endpoints, cfg, sender_id="ok", client_keys=client_keys) as tx:
+        with TrajectorySender(rx.endpoints, cfg, sender_id="client", client_keys=client_keys) as tx:
             tx.send("rollout", {"x": torch.ones(3)})
             msg = rx.get(timeout=10)
-            assert msg is not None and msg.sender == "ok"
+            assert msg is not None and msg.sender == "client"
         # An unknown client (fresh key pair) is refused by the authenticator.
         with TrajectorySender(rx.endpoints, cfg, sender_id="intruder") as tx:
             try:
@@ -379,22 +380,26 @@ def test_a_full_receive_queue_hands_over_as_soon_as_the_consumer_takes():
 
 
 def test_socket_files_of_dead_processes_are_removed(tmp_path):
-    """A killed run cannot remove its ipc:// socket files; the next receiver removes those
-    whose process is gone and leaves those of live processes alone."""
+    """A killed run cannot remove its ipc:// socket directory (or, from older runs, socket
+    files); the next receiver removes those whose process is gone and leaves those of live
+    processes alone."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f"dvla-{dead.pid}-0123456789ab.sock"
+    stale_dir = tmp_path / f"dvla-{dead.pid}-abcd1234"
     live = tmp_path / f"dvla-{os.getppid()}-0123456789ab.sock"
     other = tmp_path / "dvla-bench-0123.sock"
     for f in (stale, live, other):
         f.write_bytes(b"")
-    assert remove_stale_ipc_files(str(tmp_path)) == [str(stale)]
-    assert not stale.exists() and live.exists() and other.exists()
+    stale_dir.mkdir()
+    (stale_dir / "data.sock").write_bytes(b"")
+    assert sorted(remove_stale_ipc_files(str(tmp_path))) == sorted([str(stale), str(stale_dir)])
+    assert not stale.exists() and not stale_dir.exists() and live.exists() and other.exists()
     cfg = DataPlaneConfig(transport="ipc")
-    with TrajectoryReceiver(cfg) as rx:  # its own file is named after this process
+    with TrajectoryReceiver(cfg) as rx:  # its own directory is named after this process
         path = rx.endpoints["ipc"][len("ipc://"):]
-        assert os.path.basename(path).startswith(f"dvla-{os.getpid()}-") and os.path.exists(path)
-    assert not os.path.exists(path)
+        assert os.path.basename(os.path.dirname(path)).startswith(f"dvla-{os.getpid()}-") and os.path.exists(path)
+    assert not os.path.exists(os.path.dirname(path))
 
 
 def test_an_authorised_key_directory_without_keys_is_a_clear_error(tmp_path):

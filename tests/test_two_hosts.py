@@ -55,8 +55,12 @@ def test_two_hosts_train_over_a_real_link(two_hosts, tmp_path):
     out = tmp_path / "two_hosts"
     before = {h.netns: h.link_bytes() for h in two_hosts.hosts}
     port = random.randrange(20000, 30000)
-    run_both([torchrun(h, two_hosts, port, out, "run.iterations=30") for h in two_hosts.hosts], tmp_path)
+    logs = run_both([torchrun(h, two_hosts, port, out, "run.iterations=30") for h in two_hosts.hosts], tmp_path)
     after = {h.netns: h.link_bytes() for h in two_hosts.hosts}
+    # Without keys the job starts, with one warning (the one learner's) that names the risk
+    # and the command that fixes it.
+    warnings = [line for log in logs for line in log.splitlines() if "UNAUTHENTICATED" in line]
+    assert len(warnings) == 1 and "dvla keys" in warnings[0] and "require_auth" in warnings[0], warnings
 
     s = {0: json.loads((out / "summary.json").read_text())}
     for r in (1, 2, 3):
@@ -202,17 +206,21 @@ def test_curve_admits_a_listed_key_and_refuses_an_unlisted_one_across_hosts(two_
 
 
 def test_two_hosts_train_with_listed_curve_keys(two_hosts, tmp_path):
-    """Every rank's key made by ``dvla keys`` and listed: chunks cross the link encrypted
-    and authenticated, none refused, and the run finishes."""
+    """Every rank's key made by ``dvla keys`` (operator-supplied, a shared directory) and
+    listed, with ``require_auth``: chunks cross the link encrypted and authenticated, each
+    under its key's name, none refused, no warning, and the run finishes."""
     subprocess.run([sys.executable, "-m", "dvla.cli", "keys", str(tmp_path / "keys"), "--ranks", "4"], check=True,
                    capture_output=True)
     out = tmp_path / "curve"
     curve = ("data_plane.curve=true", f"data_plane.curve_keys_dir={tmp_path / 'keys'}",
              f"data_plane.curve_authorized_dir={tmp_path / 'keys' / 'public'}", "run.iterations=8")
     port = random.randrange(40000, 50000)
-    run_both([torchrun(h, two_hosts, port, out, *curve) for h in two_hosts.hosts], tmp_path)
+    logs = run_both([torchrun(h, two_hosts, port, out, *curve, "data_plane.require_auth=true")
+                     for h in two_hosts.hosts], tmp_path)
+    assert not any("UNAUTHENTICATED" in log for log in logs)
     s0 = json.loads((out / "summary.json").read_text())
     assert s0["version"] == 8 and s0["receiver"]["rejected"].get("curve_auth", 0) == 0
+    assert not s0["receiver"]["rejected"].get("spoofed_sender"), s0["receiver"]
     for r in (2, 3):
         s = json.loads((out / f"summary_rank{r}.json").read_text())
         assert s["data_route"]["transport"] == "tcp" and s["chunks_sent"] > 0

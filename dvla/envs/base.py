@@ -22,6 +22,7 @@ the per-action hooks; the chunk loop, done latching and reward bookkeeping live 
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -32,6 +33,10 @@ from dvla.config import ConfigError, EnvConfig
 from dvla.types import Observation, StepResult
 
 
+DEFAULT_REWARD_RANGE = (-1e4, 1e4)
+"""The reward range of an env that declares none (``EnvSpec.reward_range``)."""
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     image_shape: tuple[int, int, int]  # (C, H, W) of the main camera
@@ -39,6 +44,16 @@ class EnvSpec:
     action_dim: int
     cameras: tuple[tuple[str, tuple[int, int, int]], ...] = ()
     """Further named cameras the observations carry (``Observation.cameras``): (name, (C, H, W))."""
+    reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
+    """``(low, high)``: every reward the env gives lies in it. A learner rejects chunks with
+    rewards outside it (``swimlane.validate``); declare the env's real range."""
+
+    def __post_init__(self) -> None:
+        r = self.reward_range
+        ok = isinstance(r, tuple) and len(r) == 2 and all(isinstance(x, (int, float)) and math.isfinite(x) for x in r)
+        if not (ok and r[0] <= r[1]):
+            raise ConfigError(f"EnvSpec.reward_range: expected (low, high), finite, low <= high; "
+                              f"got {self.reward_range!r}")
 
 
 class BatchedEnv(ABC):
