@@ -349,6 +349,12 @@ def save_weights(module: torch.nn.Module, path: str | Path, version: int, state:
     save_safetensors(full_state_dict(module) if state is None else state, path, info)
 
 
+def all_finite(state: dict[str, Tensor]) -> bool:
+    """Whether every floating-point tensor of ``state`` is finite (no NaN or inf): weights
+    that are not are never written (``weights.safetensors``, checkpoints)."""
+    return all(bool(torch.isfinite(t).all()) for t in state.values() if t.is_floating_point())
+
+
 def weights_digest(module: torch.nn.Module, state: dict | None = None) -> str:
     """A short hash of every parameter and buffer's bytes (of ``module``, or of ``state``, its
     whole state dict), in state-dict order: ranks that should hold identical weights

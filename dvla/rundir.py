@@ -13,10 +13,12 @@ directory. ``dvla report`` / ``dvla trace`` without an argument find the newest 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from dvla.config import ConfigError
 
@@ -78,18 +80,49 @@ def new_run_dir(base: str | os.PathLike, name: str = "", now: float | None = Non
         if is_run_dir(run):
             raise ConfigError(f"run.name: {run} already holds a run; continue it with --resume, or choose "
                               "another run.name")
-        run.mkdir(exist_ok=True)
+        _mkdir(run, exist_ok=True)
     else:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
         for i in itertools.count(1):
             run = base / (stamp if i == 1 else f"{stamp}-{i}")
             try:
-                run.mkdir()
+                _mkdir(run)
                 break
             except FileExistsError:
                 continue
     point_latest(base, run)
     return run
+
+
+def _mkdir(run: Path, exist_ok: bool = False) -> None:
+    """Create a run directory; one that cannot be written (read-only, permissions, a full
+    disk) is a :class:`ConfigError` naming ``run.out_dir``."""
+    try:
+        run.mkdir(exist_ok=exist_ok)
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        raise ConfigError(f"run.out_dir: cannot create the run directory {run}: {exc.strerror or exc} "
+                          "(choose a directory this user can write, e.g. run.out_dir=runs/NAME)") from None
+
+
+def has_checkpoint(run: str | os.PathLike) -> bool:
+    """Whether ``run`` holds a (final-named) checkpoint."""
+    from dvla.checkpoint import CheckpointManager
+
+    return bool(CheckpointManager(Path(run) / "checkpoints").list())
+
+
+def newest_run_with_checkpoint(base: str | os.PathLike) -> Path | None:
+    """The newest run directly in ``base`` that holds a checkpoint (by modification time),
+    or None: what ``--resume`` continues when ``latest`` points at a run that saved none
+    (one that crashed early)."""
+    base = Path(base)
+    if not base.is_dir():
+        return None
+    runs = [p for p in base.iterdir() if p.is_dir() and not p.is_symlink() and p.name != LATEST
+            and has_checkpoint(p)]
+    return max(runs, key=_mtime) if runs else None
 
 
 def discard_new_run(base: str | os.PathLike, run: str | os.PathLike, previous: Path | None) -> None:
@@ -173,3 +206,59 @@ def find_latest_run(root: str | os.PathLike = "runs") -> Path | None:
     if not found:
         return None
     return max(found, key=_mtime)
+
+
+# -- what a resume may change ---------------------------------------------------------------
+
+RESUME_REFUSES = ("env.name", "env.n_envs", "env.episode_len", "env.image_size", "env.reward_shaping",
+                  "env.success_reward", "env.options", "env.options.", "env.rank_options", "env.rank_options.", "policy.", "algo.name",
+                  "algo.group_size", "run.seed")
+"""Config fields (or sections, ending in a dot) a resume may not change: the model and its
+checkpointed state, what an episode and a chunk are, the algorithm, the seed."""
+RESUME_IGNORES = ("run.out_dir", "run.name", "run.resume")
+"""Fields that only say where the run is and how it was started."""
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def check_resume_config(old: dict[str, Any], new: dict[str, Any], done: int) -> list[str]:
+    """Compare the config a resume asks for (``new``) with the checkpoint's (``old``, which
+    is at update ``done``). A change that cannot continue (:data:`RESUME_REFUSES`), or
+    ``run.iterations`` not above ``done``, is a :class:`ConfigError` naming it; returns the
+    other fields that changed, as ``"key: old -> new"`` lines to log."""
+    a, b = _flat(old), _flat(json.loads(json.dumps(new)))  # as a manifest holds it (tuples are lists)
+    changed = [k for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k) and k not in RESUME_IGNORES]
+    refused = [k for k in changed if any(k == r or (r.endswith(".") and k.startswith(r)) for r in RESUME_REFUSES)]
+    # (a section emptied or filled: "env.options" {} against "env.options.x")
+    if refused:
+        diffs = "; ".join(f"{k}: {a.get(k)!r} in the checkpoint, {b.get(k)!r} now" for k in refused)
+        raise ConfigError(f"--resume cannot change {', '.join(refused)} ({diffs}): the checkpoint's model and "
+                          "episodes depend on it; resume with the run's own values, or start a new run")
+    if int(b.get("run.iterations", 0)) <= done:
+        raise ConfigError(f"--resume: run.iterations={b.get('run.iterations')} but the checkpoint is at update "
+                          f"{done} already; ask for more (run.iterations={done + 1} or above)")
+    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed]
+
+
+def check_resume(cfg, checkpoints: list[Path]) -> None:
+    """Compare ``cfg`` with the config of the newest readable checkpoint's manifest
+    (:func:`check_resume_config`): a ConfigError for a change that cannot continue, a log
+    line for each other change."""
+    for path in reversed(checkpoints):
+        try:
+            manifest = json.loads((path / "manifest.json").read_text())
+            old, done = manifest["config"], int(manifest["version"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # damaged: loading falls back to an older one as well
+        for line in check_resume_config(old, cfg.to_dict(), done):
+            log.info("--resume: changed since the checkpoint: %s", line)
+        return

@@ -53,6 +53,9 @@ class RunCheckpoints:
         tensors = {}
         for k, v in [*self.weights().items(), *opt_t.items()]:
             whole = full_tensor(v)
+            if k.startswith("policy/") and whole.is_floating_point() and not bool(torch.isfinite(whole).all()):
+                raise RuntimeError(f"the weights of version {version} hold NaN or inf ({k[7:]}): no checkpoint "
+                                   "written, stopping; the newest checkpoint holds the last good weights")
             if keep:
                 tensors[k] = whole.cpu() if whole is not v else v
         return ({**tensors, **rng_t}, {"version": version, **manifest, "optimizer": opt_meta, "rng": rng_meta})
@@ -110,13 +113,32 @@ def resume_learner(checkpoints: RunCheckpoints, *, resume: bool, restarts: int, 
     return agree_on(got, error) if learner_ranks > 1 else got
 
 
+def _row_iter(line: str) -> int | None:
+    """A metrics row's ``iter``; None for a torn or unreadable line (power loss, full disk)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return int(row.get("iter", 0)) if isinstance(row, dict) else None
+
+
 def truncate_metrics(path: Path, version: int) -> None:
-    """Drop the rows a crashed attempt logged after the checkpoint it resumes from."""
+    """Drop the rows a crashed attempt logged after the checkpoint it resumes from, and any
+    torn line (the last one of a crash mid-write) with a warning."""
     if not path.exists():
         return
-    lines = path.read_text().splitlines(keepends=True)
-    keep = [ln for ln in lines if ln.strip() and json.loads(ln).get("iter", 0) < version]
-    if len(keep) != len(lines):
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    keep = []
+    for n, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        it = _row_iter(ln)
+        if it is None:
+            log.warning("%s: line %d is torn or not JSON (a crash mid-write?): dropped", path, n)
+        elif it < version:
+            keep.append(ln if ln.endswith("\n") else ln + "\n")
+    if "".join(keep) != "".join(lines):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(keep))
         os.replace(tmp, path)
+

@@ -25,8 +25,10 @@ def copy_into_snapshot(policy: torch.nn.Module, snapshot: torch.nn.Module | None
             dst[name].copy_(t)
 
 
-def check_finite(flats: list[torch.Tensor], version: int, counters) -> None:
-    """Weights that are not finite are never published: the run stops instead."""
+def check_finite(flats: list[torch.Tensor], version: int, counters, last_good: int | None = None) -> None:
+    """Weights that are not finite are never published: the run stops instead, naming the
+    last version whose weights were finite (``last_good``)."""
     if not bool(torch.stack([torch.isfinite(f).all() for f in flats]).all()):
-        raise RuntimeError(f"the weights of version {version} hold NaN or inf: not published, stopping "
+        good = f"; the last good version is {last_good}" if last_good is not None else ""
+        raise RuntimeError(f"the weights of version {version} hold NaN or inf: not published, stopping{good} "
                            f"(counters: {counters})")

@@ -10,6 +10,7 @@ renders one trace with matplotlib, ``draw_swimlanes`` several (one block of rows
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -26,13 +27,48 @@ COLORS = {
 }
 
 _NO_SPAN = nullcontext()
+log = logging.getLogger("dvla.swimlane")
+
+
+class SpanWindow(list):
+    """The newest spans, at most ``maxlen`` plus an eighth (the oldest eighth goes at once,
+    so that appending stays cheap). A list of the spans it holds (iterating, JSON); its
+    ``len()`` and slices count every span ever added, so that a reader that remembers how
+    many it has seen (autotune's ``LaneClock``: ``spans[seen:]``) reads on past a trim."""
+
+    def __init__(self, maxlen: int):
+        super().__init__()
+        self.maxlen, self.dropped = maxlen, 0
+
+    def append(self, span) -> None:
+        super().append(span)
+        if super().__len__() > self.maxlen + self.maxlen // 8:
+            cut = super().__len__() - self.maxlen
+            super().__delitem__(slice(0, cut))
+            self.dropped += cut
+
+    def __len__(self) -> int:
+        return self.dropped + super().__len__()
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            return super().__getitem__(slice(max(start - self.dropped, 0), max(stop - self.dropped, 0), step))
+        return super().__getitem__(i - self.dropped if i >= 0 else i)
+
+    def held(self) -> int:
+        """Spans held now."""
+        return super().__len__()
 
 
 class Tracer:
+    """Spans of a rank's lanes: the newest ``max_spans`` or so of them (about 130 bytes
+    each; :class:`SpanWindow`); older ones are dropped, counted and said once in the log."""
+
     def __init__(self, enabled: bool = True, max_spans: int = 1_000_000):
         self.enabled = enabled
         self.t0 = time.perf_counter()
-        self.spans: list[tuple[str, str, float, float]] = []
+        self.spans = SpanWindow(max_spans)
         self.max_spans = max_spans
 
     def span(self, lane: str, kind: str) -> AbstractContextManager[None]:
@@ -49,8 +85,13 @@ class Tracer:
             self.add(lane, kind, start, time.perf_counter())
 
     def add(self, lane: str, kind: str, start: float, end: float) -> None:
-        if self.enabled and len(self.spans) < self.max_spans:
-            self.spans.append((lane, kind, start - self.t0, end - self.t0))
+        if not self.enabled:
+            return
+        dropped = self.spans.dropped
+        self.spans.append((lane, kind, start - self.t0, end - self.t0))
+        if self.spans.dropped and not dropped:  # the window was full: the oldest spans went
+            log.warning("trace: more than %d spans; keeping the newest (swimlane.trace), older ones are dropped "
+                        "from now on", self.max_spans)
 
     def save(self, path: str | os.PathLike, **meta) -> None:
         """Write ``{"meta": meta, "spans": spans}`` as JSON (atomically). ``meta`` holds
@@ -60,7 +101,9 @@ class Tracer:
         ``span time + t0 - run_start`` is seconds since the run started."""
         path = Path(path)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"meta": {"t0": self.t0, **meta}, "spans": self.spans}))
+        if self.spans.dropped:
+            meta = {**meta, "dropped_spans": self.spans.dropped}  # the trace starts later than the run
+        tmp.write_text(json.dumps({"meta": {"t0": self.t0, **meta}, "spans": list(self.spans)}))
         os.replace(tmp, path)
 
 

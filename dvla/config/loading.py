@@ -63,8 +63,12 @@ def load_yaml(cfg: Any, path: str | Path) -> Any:
     """Apply the YAML file at ``path`` on top of ``cfg``. A missing or unreadable file and a
     YAML syntax error are :class:`ConfigError` (the latter naming ``file:line:column``)."""
     try:
-        with open(path) as fh:
-            data = yaml.safe_load(fh)
+        with open(path, "rb") as fh:
+            text = fh.read().decode("utf-8")
+        data = yaml.safe_load(text)
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start} is {exc.object[exc.start:exc.start + 1]!r}); "
+                          "save the file as UTF-8") from None
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except OSError as exc:

@@ -39,6 +39,12 @@ def env_steps(batch: RolloutBatch, independent: bool = False) -> int:
     return int(batch.valid.any(dim=1).sum()) * batch.num_envs
 
 
+def _names(ranks) -> str:
+    """Sender ranks for a message: sorted, at most 8 (as chunks' meta names them)."""
+    names = sorted({str(r)[:20] for r in ranks})
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
 @dataclass(kw_only=True)
 class LearnerConfig:
     need: int  # chunks per update
@@ -47,6 +53,7 @@ class LearnerConfig:
     stop_rollouts_before_last: bool  # async: nobody consumes what is sampled after the last update's data
     spec: ChunkSpec | None = None  # what a legal chunk looks like (None: no checks)
     max_bad_updates: int = 3  # non-finite updates in a row that stop the run
+    max_rejected: int = 64  # chunks rejected in a row (none usable between) that stop the run
     independent: bool = False  # chunks of envs on their own clock (how env steps are counted)
     poll_s: float = 0.05
 
@@ -93,6 +100,10 @@ class LearnerLane:
         self.turn, self.throughput, self.learning = turn, throughput, learning
         self.consumed_steps = 0
         self.bad_in_a_row = 0
+        self.rejected_in_a_row: dict[str, int] = {}  # reason -> chunks, since the last usable chunk
+        self._senders_rejected: set[Any] = set()  # ranks whose chunks were rejected, since the last usable
+        self._senders: list[Any] = []  # ranks that sent the chunks of the update being collected
+        self._bad_senders: set[Any] = set()  # ... of the non-finite updates in a row
         self._pending: tuple[list[RolloutBatch], list[Any]] = ([], [])  # poll(): chunks so far
         self.done = False  # poll(): the last update is made
 
@@ -109,6 +120,15 @@ class LearnerLane:
             log.error("rejected a chunk from rank %.20r (%s, %d so far): %s", meta.get("rank"), reason, n, detail)
         if on_done is not None:
             on_done()
+        self.rejected_in_a_row[reason] = self.rejected_in_a_row.get(reason, 0) + 1
+        self._senders_rejected.add(str(meta.get("rank"))[:20])
+        in_a_row = sum(self.rejected_in_a_row.values())
+        if in_a_row >= max(self.cfg.max_rejected, 4 * self.cfg.need):
+            reasons = ", ".join(f"{r}: {n}" for r, n in self.rejected_in_a_row.items())
+            raise RuntimeError(
+                f"every chunk is rejected: the last {in_a_row} in a row ({reasons}), none usable since, from "
+                f"rank(s) {_names(self._senders_rejected)}; the last: {reason}: {detail}. No update can be made: "
+                f"a policy that acts NaN, or rollouts built for another job")
         return True
 
     def accept(self, item, chunks: list[RolloutBatch], releases: list[Any]) -> None:
@@ -130,6 +150,9 @@ class LearnerLane:
                 on_done()
             return
         self.stall.progress()  # a chunk the learner can use
+        self.rejected_in_a_row.clear()
+        self._senders_rejected.clear()
+        self._senders.append(meta.get("rank"))
         self.consumed_steps += steps
         chunks.append(batch)
         releases.append(on_done)
@@ -140,6 +163,7 @@ class LearnerLane:
         ``wait``: what is queued now, up to ``need`` (maybe none)."""
         chunks: list[RolloutBatch] = []
         releases: list[Any] = []
+        self._senders = []
         while len(chunks) < self.cfg.need and not stop.is_set():
             self.idle()
             with self.tracer.span("gradient", "wait"):
@@ -201,7 +225,8 @@ class LearnerLane:
                 self.algo.follow()
                 learn = {"samples": 0.0}
                 self.ledger.add("updates_sat_out")
-        self.check_finite(learn)
+        senders, self._senders = self._senders, []
+        self.check_finite(learn, senders)
         update = Update(batch=batch, learn=learn, learn_s=time.perf_counter() - t0, env_steps=self.consumed_steps,
                         wait_s=wait_s)
         del chunks, batch
@@ -214,22 +239,26 @@ class LearnerLane:
                     release()
         return not last
 
-    def check_finite(self, learn: dict[str, float]) -> None:
+    def check_finite(self, learn: dict[str, float], senders: list[Any] = ()) -> None:
         """Count an update whose optimizer steps were skipped for a non-finite loss or
-        gradient; stop the run after ``max_bad_updates`` of them in a row."""
+        gradient; stop the run after ``max_bad_updates`` of them in a row, naming the ranks
+        that sent their chunks (``senders``)."""
         if not learn.get("non_finite_steps", 0.0):
             self.bad_in_a_row = 0
+            self._bad_senders.clear()
             return
         self.ledger.add("updates_non_finite")
         self.bad_in_a_row += 1
+        self._bad_senders.update(senders)
         log.error("update at version %d: non-finite loss or gradient in %.0f%% of its steps (skipped), %d in a row",
                   self.version(), 100 * learn["non_finite_steps"], self.bad_in_a_row)
         if self.bad_in_a_row >= self.cfg.max_bad_updates:
             raise RuntimeError(
                 f"{self.bad_in_a_row} updates in a row had a non-finite loss or gradient (swimlane.max_bad_updates="
                 f"{self.cfg.max_bad_updates}); their steps were skipped and the weights are unchanged since version "
-                f"{self.version() - self.bad_in_a_row}. Check the reward scale, the learning rate and the chunks "
-                f"(counters: {self.ledger.counts})")
+                f"{self.version() - self.bad_in_a_row}. Their chunks were sent by rank(s) "
+                f"{_names(self._bad_senders) or 'unknown'}. Check the reward scale, "
+                f"the learning rate and those ranks' chunks (counters: {self.ledger.counts})")
 
     def run(self, stop: threading.Event) -> None:
         while self.version() < self.cfg.iterations and not stop.is_set() and self.step(stop):
