@@ -18,6 +18,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shlex
 import signal
 import sys
@@ -25,11 +26,11 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
 
 from dvla.config import ConfigError, apply_overrides, load_yaml
-from dvla.distributed import init_from_env, shutdown
+from dvla.distributed import init_from_env, shutdown, uses_nccl
 from dvla.presets import DEFAULT_PRESET, PRESETS, get_preset
+from memory import runtime
 
 log = logging.getLogger("dvla.launch")
 EXIT_USER_ERROR = 2
@@ -167,13 +168,24 @@ def setup_logging(rank: int = 0, verbose: bool = False) -> None:
 
 def _choose_run_dir(cfg, restarts: int) -> tuple[Path, bool, Path | None]:
     from dvla.checkpoint import CheckpointManager
-    from dvla.rundir import choose_run_dir, latest_run
+    from dvla.rundir import (check_resume, choose_run_dir, has_checkpoint, latest_run, newest_run_with_checkpoint,
+                             point_latest)
 
     previous = latest_run(cfg.run.out_dir)
+    if cfg.run.resume and restarts == 0 and not cfg.run.name and previous is not None \
+            and not has_checkpoint(previous):
+        other = newest_run_with_checkpoint(cfg.run.out_dir)
+        if other is not None:  # latest is a run that crashed before its first checkpoint
+            log.info("--resume: %s (latest) saved no checkpoint; continuing %s, the newest run with one",
+                     previous, other)
+            point_latest(cfg.run.out_dir, other)
     run, resumed = choose_run_dir(cfg.run.out_dir, cfg.run.name, resume=cfg.run.resume, restarted=restarts > 0)
-    if cfg.run.resume and restarts == 0 and not CheckpointManager(run / "checkpoints").list():
-        raise ConfigError(f"--resume: no checkpoint in {run / 'checkpoints'} (that run saved none; "
-                          "run.save_every=N writes one every N updates)")
+    if cfg.run.resume and restarts == 0:
+        checkpoints = CheckpointManager(run / "checkpoints").list()
+        if not checkpoints:
+            raise ConfigError(f"--resume: no checkpoint in {run / 'checkpoints'} (that run saved none; "
+                              "run.save_every=N writes one every N updates)")
+        check_resume(cfg, checkpoints)  # a ConfigError for a change that cannot continue
     return run, resumed, previous
 
 
@@ -242,16 +254,61 @@ def user_error(exc: BaseException) -> ConfigError | None:
     return None
 
 
+def lost_rank_line(exc: BaseException, rank: int) -> str:
+    """One line for a rank whose job lost a peer (or failed): which rank, if the error
+    names one, the first line of the error, and what to run next."""
+    original = getattr(exc, "original", exc)
+    first = " ".join((str(original).splitlines() or [""])[0].split()) or type(original).__name__
+    named = re.search(r"\branks?(?:\(s\))?\s+((?:rank)?\d+(?:,\s*(?:rank)?\d+)*)", first)
+    ranks = named.group(1).replace("rank", "") if named else ""
+    lost = (f"rank {ranks} was lost" if "," not in ranks else f"ranks {ranks} were lost") if named \
+        else "the job failed or lost a rank"
+    return (f"dvla: error (rank {rank}): {lost}: {first[:300]}. Next: run the same command with --resume to "
+            "continue from the last checkpoint (--debug shows the traceback)")
+
+
+def preempted_line(lanes, summary: dict[str, Any]) -> str:
+    """After a SIGTERM: where the run can be continued from."""
+    ckpts = lanes.ckpt.list() if getattr(lanes, "ckpt", None) is not None else []
+    where = f"checkpoint {ckpts[-1]}" if ckpts else "no checkpoint (nothing to resume)"
+    return (f"stopped by SIGTERM at update {summary.get('version', 0)}: {where}; continue with --resume "
+            f"(run.out_dir={Path(lanes.out_dir).parent})")
+
+
 def _say_error(exc: BaseException, rank: int | None = None) -> None:
     msg = " ".join(str(exc).split())  # one line, whatever the message
     where = "" if not rank else f" (rank {rank})"
     print(f"dvla: error{where}: {msg}", file=sys.stderr, flush=True)
 
 
+def see_own_gpu() -> None:
+    """Under torchrun, narrow ``CUDA_VISIBLE_DEVICES`` to this rank's GPU before CUDA starts
+    in the process, so that torch, simulators and renderers agree on one device, ``cuda:0``
+    (memory/runtime.py). A ConfigError when the list names too few GPUs."""
+    if "LOCAL_RANK" not in os.environ or os.environ.get("DVLA_VISIBLE_DEVICE_SET"):
+        return
+    from memory.runtime import visible_device_env
+
+    try:
+        os.environ.update(visible_device_env(int(os.environ["LOCAL_RANK"])))
+    except ValueError as exc:
+        raise ConfigError(f"CUDA_VISIBLE_DEVICES: {exc}") from None
+
+
+def _abandon(code: int) -> NoReturn:
+    """Leave a job whose peers may be gone: NCCL's communicators aborted (no barrier, no
+    destroy that would wait for a dead peer), then exit at once."""
+    try:
+        shutdown(barrier=False) if uses_nccl() else None
+    finally:
+        os._exit(code)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m dvla.launch") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     try:
+        see_own_gpu()  # first: nothing may start CUDA before
         args, cfg = parse_config(argv, prog)
     except ConfigError as exc:
         if "--debug" in argv:
@@ -278,9 +335,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m dvla.launch") -> 
 
 def train(args, cfg) -> int:
     setup_logging(int(os.environ.get("RANK", "0") or 0), args.verbose)
-    from swimlane import Swimlane
+    import swimlane
 
-    rank, world = init_from_env(device=cfg.run.device)
+    if cfg.run.device.startswith("cuda") and not runtime.current().available():
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            _say_error(ConfigError(f"run.device={cfg.run.device!r} but CUDA is not available on this machine "
+                                   "(run.device=auto uses a GPU where there is one, else the CPU)"))
+        return EXIT_USER_ERROR
+    rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
+                                collective_backend=cfg.swimlane.collective_backend)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     stopped: list[bool] = []
     run_dir = previous = None
@@ -288,15 +351,18 @@ def train(args, cfg) -> int:
     try:
         run_dir, resumed, previous = share_run_dir(cfg, rank, world, restarts)
         cfg.run.out_dir = str(run_dir)
-        if world > 1 and cfg.run.device in ("auto", "cuda") and torch.cuda.is_available():
-            cfg.run.device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-        lanes = Swimlane(cfg, rank=rank, world_size=world)
+        if world > 1 and cfg.run.device.startswith("cuda:") and cfg.run.device != "cuda:0":
+            raise ConfigError(f"run.device: {cfg.run.device!r} under torchrun: each rank sees only its own GPU, "
+                              "as cuda:0 (use auto or cuda)")
+        if world > 1 and cfg.run.device in ("auto", "cuda") and runtime.current().available():
+            cfg.run.device = "cuda:0"  # the rank's own GPU, the one it sees (see_own_gpu)
+        lanes = swimlane.Swimlane(cfg, rank=rank, world_size=world)
         if rank == 0:
             log.info("run directory: %s%s", run_dir, " (continuing it)" if resumed else "")
 
-        def on_sigterm(*_):  # torchrun stops the group this way when a peer has died
+        def on_sigterm(*_):  # a preemption (Slurm, Kubernetes), or torchrun stopping the group
             stopped.append(True)
-            lanes.request_stop()
+            lanes.preempt()  # stop; rank 0's gradient lane checkpoints the current version on its way out
 
         signal.signal(signal.SIGTERM, on_sigterm)
         summary = lanes.run()
@@ -308,7 +374,7 @@ def train(args, cfg) -> int:
         os._exit(130)
     except BaseException as exc:
         err = user_error(exc)
-        if err is not None and rank == 0 and run_dir is not None and not resumed:
+        if rank == 0 and run_dir is not None and not resumed:  # a new run that wrote nothing: gone
             from dvla.rundir import discard_new_run
 
             discard_new_run(run_dir.parent, run_dir, previous)
@@ -318,20 +384,24 @@ def train(args, cfg) -> int:
             if world == 1:
                 return EXIT_USER_ERROR
             sys.stdout.flush()
-            os._exit(EXIT_USER_ERROR)  # peers may wait in a collective: no teardown barrier
+            _abandon(EXIT_USER_ERROR)  # peers may wait in a collective: no teardown barrier
         if world == 1:
             raise
-        # A peer may be blocked in a collective that can never complete now: report and
-        # leave without the teardown barrier (torchrun then stops the other ranks).
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
+        # A peer may be blocked in a collective that can never complete now: report in one
+        # line (the traceback with --debug) and leave without the teardown barrier (torchrun
+        # then stops the other ranks).
+        if args.debug:
+            traceback.print_exc()
+        print(lost_rank_line(exc, rank), file=sys.stderr, flush=True)
+        _abandon(1)
     if rank == 0:
         print(human_summary(summary, run_dir), flush=True)
+        if stopped:
+            print(preempted_line(lanes, summary), flush=True)
     if stopped and world > 1:
         # Stopped from outside: a peer may be gone, so no teardown barrier.
         sys.stdout.flush()
-        os._exit(0)
+        _abandon(0)
     shutdown()
     return 0
 

@@ -21,7 +21,9 @@ import torch
 from dvla.checkpoint import CheckpointManager
 from dvla.config import JobConfig
 from dvla.distributed import resolve_device
+from dvla.envs import env_spec
 from launch.placement import Placement
+from memory import runtime
 from launch.topology import Topology
 from planes.data import DataPlaneConfig
 from swimlane.agreement import agree
@@ -91,12 +93,16 @@ def assemble(cfg: JobConfig, rank: int = 0, world_size: int = 1, data_plane: Dat
     sl = cfg.swimlane
     plan, topology, placement = plan_of(cfg, rank, world_size)
     device = torch.device(plan.device)
+    runtime.for_device(device).bind_thread()  # the building thread, as every lane's (memory/runtime.py)
     memory, host_pool = build_memory(cfg, device)
     streams = {"inference": LaneStream(device, sl.cuda_streams, priority=-1),
                "gradient": LaneStream(device, sl.cuda_streams)}
     groups = build_groups(sl, world_size, placement, device)
     model = build_model(cfg, plan, device, groups, memory)
-    chunk_spec = ChunkSpec.for_policy(model.policy, cfg.env.n_envs, cfg.chunk_len)
+    # The env's declared reward range and the job's value bounds (issue #38): a learner
+    # rejects chunks beyond them before any update.
+    spec = model.envs[0].spec if model.envs else env_spec(cfg.env)  # (a learner-only rank builds no env)
+    chunk_spec = ChunkSpec.for_policy(model.policy, cfg.env.n_envs, cfg.chunk_len, env_spec=spec, algo=cfg.algo)
 
     checkpoints = resumed = None
     if plan.learner:  # learners resume from the newest valid checkpoint; rank 0 writes them

@@ -10,6 +10,7 @@ import copy
 import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from typing import Any, Callable
 
@@ -25,7 +26,7 @@ from dvla.rollout import cameras_of
 from dvla.sharding import checkpoint_activations, shard_learner
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
-from memory import BudgetError, MemoryManager, TransientPool, parse_budget
+from memory import BudgetError, MemoryManager, TransientPool, parse_budget, runtime
 from planes.addresses import AddressError
 from planes.buckets import flat_buckets, frozen_names, layout_copy, meta_alloc
 from planes.config import DataPlaneConfigError
@@ -94,10 +95,10 @@ def build_memory(cfg: JobConfig, device: torch.device) -> tuple[MemoryManager | 
     try:  # checked at config time on the CPU; a fraction resolves per device here
         memory = MemoryManager(device, cfg.memory.persistent_budget, cfg.memory.transient_budget)
         host_pool = memory.transient
-        if device.type != "cpu":
+        if runtime.current().accelerated:
             host_pool = TransientPool("cpu", parse_budget(cfg.memory.transient_budget, "cpu",
                                                           "memory.transient_budget"), name="transient_host",
-                                      pin_memory=device.type == "cuda")  # device copies need not wait
+                                      pin_memory=True)  # device copies need not wait
     except BudgetError as exc:
         raise ConfigError(str(exc)) from None
     return memory, host_pool
@@ -137,11 +138,13 @@ def build_groups(sl: SwimlaneConfig, world: int, placement: Placement, device: t
     learners' group takes the default group's (on CUDA both: CPU tensors go over gloo)."""
     if world == 1:
         return Groups()
-    learner = dist.new_group(placement.learners)
-    control = new_control_group(device=device)
+    timeout = timedelta(seconds=sl.collective_timeout_s)  # the default group's, from the config too
+    learner = dist.new_group(placement.learners, timeout=timeout)
+    backend = "gloo" if sl.collective_backend == "gloo" else backend_for(device)
+    control = new_control_group(device=device, timeout=timeout, backend=backend)
     tree, stages = placement.tree, None
     if sl.hierarchical_broadcast and len(tree.leaders) > 1:
-        stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source, backend=backend_for(device))
+        stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source, backend=backend, timeout=timeout)
     return Groups(learner, control, stages)
 
 
@@ -198,7 +201,10 @@ def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Gr
         pooled = memory is not None and plan.grad_sync != "fsdp"  # FSDP allocates a sharded learner's own
         if pooled:  # the learner's weights live in persistent buckets
             flat_buckets(policy, alloc=persistent_alloc(memory), tag="policy")
-        algo = build_algorithm(cfg.algo, policy, sync)
+        # Replicas in another precision than the learner's: every step's proximal log-prob is
+        # recomputed, so the clipped ratio is 1 at unchanged weights (dvla/algos/base.py).
+        behaviour = torch.bfloat16 if plan.publish_dtype == "bf16" else torch.float32
+        algo = build_algorithm(cfg.algo, policy, sync, behaviour_dtype=behaviour)
         if pooled:
             memory.persistent.adopt_optimizer(algo.optimizer)
         learn_gen = torch.Generator().manual_seed(seed + 2)

@@ -68,7 +68,9 @@ def check_stall(stall: StallTimer, counters: dict[str, int], version: int) -> No
     (a simulator step that never returns, a frozen rank, rollouts whose every chunk is too
     stale): raise and say so. Dropped chunks are not progress."""
     if stall.stalled_for() is not None:
+        rejected = ", ".join(f"{k}={v}" for k, v in counters.items() if k.startswith("rejected_") and v)
         raise RuntimeError(
             f"no usable trajectory chunk for {stall.limit_s}s (swimlane.stall_timeout_s): a simulator or rollout "
-            f"rank is stuck, or every chunk arrives too stale; env_steps_sampled={counters['env_steps_sampled']}, "
-            f"dropped_stale={counters['dropped_stale']}, version={version}")
+            f"rank is stuck, or every chunk arrives too stale or is rejected; env_steps_sampled="
+            f"{counters['env_steps_sampled']}, dropped_stale={counters['dropped_stale']}, "
+            f"{rejected + ', ' if rejected else ''}version={version}")

@@ -95,6 +95,8 @@ class RankLanes:
             self.version = self.resumed_from = parts.resumed.version
             self.ledger.carry(parts.resumed.counters, parts.resumed.env_steps)
         self.time_up = False  # run.time_limit_s reached
+        self.preempted = False  # the launcher's SIGTERM handler: checkpoint on the way out
+        self.last_good_version = self.version  # the newest version whose weights were finite when checked
         self.learning = rank == 0 or sl.roles == "fixed"  # this rank learns in the next update
 
         # Lane state.
@@ -118,6 +120,17 @@ class RankLanes:
             self.checkpoints.save(self.version, {"env_steps": self._env_steps, "counters": self.total_counters(),
                                                  "restarts": self.restarts, "config": self.cfg.to_dict()},
                                   write=self.rank == 0)
+        self.last_good_version = self.version  # (weights that are not finite are never saved)
+
+    def _checkpoint_if_preempted(self) -> None:
+        """After a stop that SIGTERM asked for (``preempted``, set by the launcher; not an
+        error): rank 0 checkpoints the current version, so that ``--resume`` goes on from it."""
+        if not self.preempted or self.rank != 0 or self.checkpoints is None or self.version == 0:
+            return
+        if self.cfg.sharded_learners:  # a save gathers from every learner, which may be gone
+            log.warning("preempted: sharded learners write no checkpoint on the way out")
+        elif not any(p.name == self.ckpt.path_for(self.version).name for p in self.ckpt.list()):
+            self._save_checkpoint()
 
     @property
     def counters(self) -> dict[str, int]:
@@ -182,7 +195,7 @@ class RankLanes:
     def _make_inference(self) -> InferenceLane:
         return InferenceLane(requests=self._requests, replies=self._replies, weights=self.weights,
                              generator=self.sample_gen, tracer=self.tracer, batch_all=self.sl.mode == "async",
-                             pool=self.memory.transient if self.memory is not None else None, poll_s=_POLL_S,
+                             pool=self.memory.inference if self.memory is not None else None, poll_s=_POLL_S,
                              stream=self.streams["inference"], groups=self._groups_stepping, turns=self.turns)
 
     def _groups_stepping(self) -> int:
@@ -204,6 +217,7 @@ class RankLanes:
         lane = self._make_learner()
         try:
             lane.run(self.stop_event)
+            self._checkpoint_if_preempted()
         finally:
             self._logger.close()
             self.order.ended()
@@ -327,7 +341,8 @@ class RankLanes:
         that are not finite are never published (the run stops instead)."""
         copy_into_snapshot(self.policy, self.snapshot, self.publish_dtype)
         if self.snapshot is not None:
-            check_finite(self.snap_flats, self.version, self.counters)
+            check_finite(self.snap_flats, self.version, self.counters, self.last_good_version)
+            self.last_good_version = self.version
 
     # -- broadcast lane --------------------------------------------------------------------
 

@@ -37,15 +37,17 @@ An exception in any lane stops the run and is re-raised by :meth:`Swimlane.run` 
 from __future__ import annotations
 
 import json
+import os
 import logging
 import time
 from typing import Any, Callable
 
-from dvla.checkpoint import save_weights, weights_digest
+from dvla.checkpoint import all_finite, save_weights, weights_digest
 from dvla.config import dump_yaml
 from dvla.sharding import full_state_dict
 from swimlane.driver import LaneError, SerialDriver, ThreadedDriver
 from swimlane.rank import _POLL_S, RankLanes
+from swimlane.status import serve_status
 from swimlane.trace import utilization
 
 log = logging.getLogger("dvla.swimlane")
@@ -54,6 +56,9 @@ log = logging.getLogger("dvla.swimlane")
 # before torchrun, which stops the group with SIGTERM, follows up with SIGKILL (after 30 s).
 _STOP_GRACE_S = 10.0
 _JOIN_S = 5.0  # then all lanes together get this long to finish
+# After SIGTERM (a preemption) rank 0's gradient lane also writes a checkpoint on its way out:
+# lanes get this long instead, so that the summary is still written before torchrun's SIGKILL.
+_PREEMPT_GRACE_S = 20.0
 
 
 class Swimlane(RankLanes):
@@ -65,6 +70,14 @@ class Swimlane(RankLanes):
         """As :class:`swimlane.rank.RankLanes`."""
         super().__init__(*args, **kwargs)
         self.driver = ThreadedDriver(stop=self.stop_event, on_error=self.request_stop, poll_s=_POLL_S)
+
+    def preempt(self) -> None:
+        """SIGTERM: stop every lane; rank 0's gradient lane checkpoints the current version
+        on its way out (:meth:`swimlane.rank.RankLanes._checkpoint_if_preempted`), within
+        ``_PREEMPT_GRACE_S``."""
+        self.preempted = True
+        self.driver.grace_s = max(self.driver.grace_s, _PREEMPT_GRACE_S)
+        self.request_stop()
 
     @property
     def errors(self) -> list[LaneError]:
@@ -87,6 +100,7 @@ class Swimlane(RankLanes):
             SerialDriver({"broadcast": publisher.poll, "inference": inference.poll, "sampling": sampling.poll,
                           "gradient": learner.poll}).run(
                 lambda: learner.done or self.version >= self.iterations, self.stop_event)
+            self._checkpoint_if_preempted()
         except LaneError as exc:
             self.driver.errors.append(exc)
         finally:
@@ -113,7 +127,7 @@ class Swimlane(RankLanes):
                 raise self.errors[0]
             return self._finish()
         driver = self.driver
-        driver.grace_s, driver.join_s = _STOP_GRACE_S, _JOIN_S
+        driver.grace_s, driver.join_s = _PREEMPT_GRACE_S if self.preempted else _STOP_GRACE_S, _JOIN_S
         for name, fn in self._lanes().items():
             driver.start(name, fn)
         drained = False
@@ -125,12 +139,16 @@ class Swimlane(RankLanes):
                 self._drain()
                 drained = True
 
+        status = None
         try:
+            status = serve_status(self)  # rank 0 with run.status_port: the live status endpoint
             driver.supervise(tick)
-        except KeyboardInterrupt:
+        except BaseException:  # a KeyboardInterrupt, a status port that cannot be bound
             self.request_stop()
             raise
         finally:
+            if status is not None:
+                status.stop()
             if self.errors:
                 self.request_stop()
             self.lanes_left_running = driver.join()
@@ -198,6 +216,7 @@ class Swimlane(RankLanes):
             "restarts": self.restarts, "resumed_from": self.resumed_from, "totals": self.total_counters(),
             "host": self.topology.hosts[self.topology.host_of(self.rank)].name,
             "role": self.placement.role(self.rank),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # the rank's own GPU only
         }
         if self.sl.roles == "adaptive" and self.is_learner:
             summary["learning_at_end"] = self.learning  # a candidate's role when the run ended
@@ -247,15 +266,23 @@ class Swimlane(RankLanes):
             self.tracer.save(self.out_dir / name, rank=self.rank, mode=self.sl.mode, run_start=self._start_time,
                              run_start_unix=self._start_unix)
         if self.rank == 0:
-            if self._whole_weights() is None:  # its weights may be mid-update (or in shards)
+            whole = self._whole_weights()
+            summary["last_good_version"] = self.last_good_version
+            if whole is None:  # its weights may be mid-update (or in shards)
                 log.warning("weights.safetensors not written: the gradient lane is still running, or the "
                             "sharded learners stopped early; the last checkpoint holds the weights")
+            elif not all_finite(whole):
+                log.warning("weights.safetensors not written: the weights of version %d hold NaN or inf; last good "
+                            "version %d (the newest checkpoint in %s holds the last weights saved)", self.version,
+                            self.last_good_version, self.out_dir / "checkpoints")
             else:
-                save_weights(self.policy, self.out_dir / "weights.safetensors", self.version, self._whole_weights())
+                save_weights(self.policy, self.out_dir / "weights.safetensors", self.version, whole)
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-            attempts = self.out_dir / "attempts"  # one summary per torchrun attempt
+            attempts = self.out_dir / "attempts"  # one summary per attempt: torchrun restarts and resumes
             attempts.mkdir(exist_ok=True)
-            (attempts / f"attempt{self.restarts}.json").write_text(json.dumps(summary, indent=2))
+            done = [int(p.stem[7:]) for p in attempts.glob("attempt*.json") if p.stem[7:].isdigit()]
+            n = max(self.restarts, max(done, default=-1) + 1)  # after every earlier attempt, kept
+            (attempts / f"attempt{n}.json").write_text(json.dumps(summary, indent=2))
         elif self.world_size > 1:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / f"summary_rank{self.rank}.json").write_text(json.dumps(summary, indent=2))

@@ -30,6 +30,15 @@ class AlgoConfig:
     """GRPO: weight of the KL penalty to the initial (reference) policy; 0 disables it."""
     value_coef: float = bounded(0.5, ge=0)
     """PPO: weight of the value loss."""
+    max_abs_log_prob: float = bounded(1e4, gt=0)
+    """A chunk whose log-probs (of a whole action or each step) reach beyond this in
+    absolute value is rejected before any update (``rejected_range``)."""
+    max_abs_value: float = bounded(1e6, gt=0)
+    """A chunk whose value estimates or bootstrap values reach beyond this in absolute value
+    is rejected before any update (``rejected_range``)."""
+    max_abs_return: float = bounded(1e6, gt=0)
+    """A chunk whose returns could reach beyond this (its largest sum of absolute rewards
+    plus its largest bootstrap value) is rejected before any update (``rejected_range``)."""
     gamma: float = bounded(0.99, ge=0, le=1)
     """PPO: discount."""
     gae_lambda: float = bounded(0.95, ge=0, le=1)
@@ -68,8 +77,10 @@ class AlgoConfig:
     precision: Literal["fp32", "bf16"] = "fp32"
     """``bf16``: the learner's forward passes and losses run under ``torch.autocast`` in
     bfloat16 (sharded: on parameters gathered in bfloat16, gradients reduced in fp32);
-    weights and optimizer state stay fp32. Rollouts still sample in fp32, so at unchanged
-    weights the importance ratio carries bf16 rounding (not exactly 1)."""
+    weights and optimizer state stay fp32. Where the rollouts' replicas run in another
+    precision than the learner (``swimlane.publish_dtype``), the learner recomputes every
+    step's proximal log-prob, so the clipped ratio is exactly 1 at unchanged weights and the
+    precision gap goes into the truncated importance weight (``max_is_weight``)."""
     activation_checkpointing: bool = False
     """Recompute the activations of each block the policy's ``shard_units()`` names during the
     backward pass instead of keeping them from the forward pass: less activation memory for

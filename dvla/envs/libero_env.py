@@ -25,9 +25,10 @@ its orientation as an axis-angle and the two gripper finger positions (8 values)
 are LIBERO's 7-D deltas in [-1, 1] (position, rotation, gripper: -1 open, +1 close), passed
 through unchanged. An episode succeeds (``success_reward``, terminated) when the task's BDDL
 goal predicates hold. ``env.render=false`` builds physics-only envs with all-zero images.
-Rendering uses EGL (``MUJOCO_GL=egl``): on a CUDA device the envs render on that GPU
-(robosuite's ``render_gpu_device_id``; not yet run on a GPU machine), on a CPU through
-Mesa's llvmpipe.
+Rendering uses EGL (``MUJOCO_GL=egl``): on a CUDA device the envs render on that GPU (the EGL
+device whose PCI address is the CUDA device's, :mod:`dvla.envs.egl_devices`, passed as
+robosuite's ``render_gpu_device_id`` and ``MUJOCO_EGL_DEVICE_ID``; not yet run on a GPU
+machine), on a CPU through Mesa's llvmpipe.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import Tensor
 from dvla.config import ConfigError, EnvConfig
 from dvla.envs.base import BatchedEnv, EnvSpec
 from dvla.types import Observation
+from memory import runtime
 
 from dvla.envs.libero_host import (  # noqa: F401  (EVAL_STEPS, SUITES, LiberoTasks: importers read them here)
     ACTION_DIM,
@@ -51,6 +53,16 @@ from dvla.envs.libero_host import (  # noqa: F401  (EVAL_STEPS, SUITES, LiberoTa
     _Remote,
     log,
 )
+
+
+def render_target(device: torch.device, render: bool = True) -> dict:
+    """What a LIBERO host needs to render on ``device``'s GPU: its CUDA ordinal (-1: the CPU,
+    through Mesa), PCI address and the number of CUDA devices this process sees (taken here,
+    in the rank, which may have started CUDA; a worker process need not)."""
+    if device.type != "cuda" or not render:
+        return {"render_gpu": -1}
+    gpu, rt = device.index or 0, runtime.current()
+    return {"render_gpu": gpu, "render_pci": rt.pci_bus_id(gpu), "render_gpus": rt.device_count()}
 
 
 class LiberoEnv(BatchedEnv):
@@ -89,7 +101,8 @@ class LiberoEnv(BatchedEnv):
     def _spec(cfg: EnvConfig, opts: dict) -> EnvSpec:
         w = opts["wrist_size"]
         return EnvSpec(image_shape=(3, cfg.image_size, cfg.image_size), proprio_dim=PROPRIO_DIM,
-                       action_dim=ACTION_DIM, cameras=(("wrist", (3, w, w)),) if w else ())
+                       action_dim=ACTION_DIM, cameras=(("wrist", (3, w, w)),) if w else (),
+                       reward_range=(0.0, float(cfg.success_reward)))
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)
@@ -107,10 +120,10 @@ class LiberoEnv(BatchedEnv):
         n_hosts = max(1, opts["workers"])
         bounds = [i * self.n_envs // n_hosts for i in range(n_hosts + 1)]
         self._slices = [(bounds[h], bounds[h + 1]) for h in range(n_hosts)]
-        # On a GPU the envs render on the rank's own device (EGL picks the first one otherwise).
-        gpu = (self.device.index or 0) if self.device.type == "cuda" else -1
+        # On a GPU the envs render on the rank's own device: the EGL device whose PCI address is
+        # its CUDA device's (EGL's order is not CUDA's; dvla/envs/egl_devices.py).
         common = dict(suite=opts["suite"], image_size=cfg.image_size, wrist_size=opts["wrist_size"],
-                      render=cfg.render, settle_steps=opts["settle_steps"], render_gpu=gpu)
+                      render=cfg.render, settle_steps=opts["settle_steps"], **render_target(self.device, cfg.render))
         host_cls = _Remote if opts["workers"] else _Local
         self.hosts = []
         try:
