@@ -44,7 +44,7 @@ def rendered():
 def test_observation_schema_and_instruction(rendered):
     obs = rendered.reset()
     assert rendered.spec == EnvSpec(image_shape=(3, 32, 32), proprio_dim=8, action_dim=7,
-                                    cameras=(("wrist", (3, 16, 16)),))
+                                    cameras=(("wrist", (3, 16, 16)),), reward_range=(0.0, 1.0))  # success only
     assert obs.image.shape == (2, 3, 32, 32) and obs.image.dtype == torch.uint8
     assert obs.cameras["wrist"].shape == (2, 3, 16, 16) and obs.cameras["wrist"].dtype == torch.uint8
     assert obs.image.float().std() > 10 and obs.cameras["wrist"].float().std() > 10  # a scene, not a blank
