@@ -26,7 +26,7 @@ setup(
         "matplotlib>=3.7",  # swimlane Gantt charts
     ],
     extras_require={
-        "dev": ["pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6", "tensorboard>=2.14",
+        "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6", "tensorboard>=2.14",
                 # the documentation site (docs/), built strictly by tests/test_docs.py
                 "sphinx>=8", "myst-parser>=4"],
         "tb": ["tensorboard>=2.14"],  # TensorBoard event files next to metrics.jsonl
