@@ -59,6 +59,7 @@ print(json.dumps({"hosts": endpoint_hosts("auto", "auto", peers_elsewhere=True, 
 """
 
 
+@pytest.mark.slow
 def test_across_namespaces_the_route_to_the_rendezvous_host_decides(two_hosts):
     a, b = two_hosts.hosts
     for me, rdzv in ((a, b.address), (b, a.address), (a, a.address)):

@@ -89,4 +89,4 @@ def test_rank_0_without_a_checkpoint_stops_every_learner(tmp_path):
         assert res[r]["raised"].startswith("ConfigError: run.resume: no checkpoint in "), res
 
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]  # spawned learners, each a swimlane

@@ -125,6 +125,7 @@ def test_lanes_contending_for_the_process_make_it_try_taking_turns_first():
     assert [(d.knob, d.new) for d in ctl().observe(parallel)] == [("nice", 5)]
 
 
+@pytest.mark.slow
 def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
     """swimlane.autotune on a live async run: windows measured, knobs moved within their
     bounds, the values and the count of decisions in every metrics row."""
@@ -173,6 +174,7 @@ def test_autotune_is_for_async_threads():
         apply_overrides(fast_reach(), ["swimlane.autotune=true", "swimlane.autotune_start_groups=3"]).validate()
 
 
+@pytest.mark.slow
 def test_a_run_taking_turns_learns_and_accounts_for_every_chunk(tmp_path):
     """swimlane.take_turns as a static setting: an async job whose lanes take turns runs to
     its last update, every chunk sent is consumed or counted as dropped, and the success

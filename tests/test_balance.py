@@ -107,6 +107,7 @@ def test_a_share_changes_admission_pace_without_moving_what_was_counted():
         adm.set_share(0.0, 4)
 
 
+@pytest.mark.slow
 def test_a_slow_rollout_rank_is_named_and_hands_an_env_group_to_a_fast_one(tmp_path):
     """Three processes under torchrun: rank 0 learns, ranks 1 and 2 roll out with a spare env
     group each, and rank 2 renders slowly. The learner names rank 2 a straggler, the plan
@@ -161,6 +162,7 @@ def test_rank_options_and_the_rebalancing_settings_are_checked():
         apply_overrides(debug(), ["swimlane.reissue=true"]).validate()  # async by default
 
 
+@pytest.mark.slow
 def test_a_sync_round_does_not_wait_for_a_straggler_whose_work_is_reissued(tmp_path):
     """Sync mode, rank 2 rolling out slowly: rank 1 samples the round's work again while it
     waits, the learner's rounds take the first chunks of their version (every update

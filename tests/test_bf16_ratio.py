@@ -169,6 +169,7 @@ def _sharded_worker(rank: int, port: int, out) -> None:
         out.put((rank, {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
 
 
+@pytest.mark.slow
 def test_sharded_learners_recompute_every_step_in_lock_step():
     """FSDP-sharded learners told of bf16 replicas, rank 1 with a smaller share: every rank
     makes as many proximal passes as the largest share needs (padding), and the update equals

@@ -16,6 +16,7 @@ def test_help_lists_every_subcommand(capsys):
     assert main(["nonsense"]) == 2
 
 
+@pytest.mark.slow
 def test_bench_lists_the_scripts_and_runs_one(capsys):
     assert main(["bench"]) == 0
     listing = capsys.readouterr().out

@@ -8,7 +8,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import free_port, spawn_ranks
+from ranks import RankPool, free_port
 from torch import nn
 
 from dvla.checkpoint import save_weights
@@ -231,21 +231,33 @@ SCENARIOS = {"relay": _relay, "frozen": _frozen, "hierarchical": _hierarchical, 
              "separate_groups": _separate_groups}
 
 
-def run_ranks(scenario, world, timeout=90):
-    return spawn_ranks(_worker, world, world, scenario, timeout=timeout)
+# One worker runs the module, so that its tests share the pool below.
+pytestmark = pytest.mark.xdist_group("control_plane")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """One set of spawned ranks for the module's scenarios (each its own process group):
+    28 process starts become 14 (one set per world size)."""
+    with RankPool() as ranks:
+        yield ranks
+
+
+def run_ranks(pool, scenario, world, timeout=90):
+    return pool.run(_worker, world, world, scenario, timeout=timeout)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_receivers_equal_source_after_broadcast(world):
-    res = run_ranks("broadcast", world)
+def test_receivers_equal_source_after_broadcast(world, pool):
+    res = run_ranks(pool, "broadcast", world)
     assert res[0]["buckets"] > 1  # 1 KiB buckets force several collectives
     for r in range(1, world):
         assert res[r]["digest"] == res[0]["digest"]
         assert res[r]["seen"] == [1, 2, -1] and res[r]["version"] == 2
 
 
-def test_hierarchical_broadcast_crosses_hosts_once_then_fans_out():
-    res = run_ranks("hierarchical", 5)
+def test_hierarchical_broadcast_crosses_hosts_once_then_fans_out(pool):
+    res = run_ranks(pool, "hierarchical", 5)
     nb = res[0]["buckets"]
     assert nb > 1
     for r in range(1, 5):
@@ -265,23 +277,23 @@ def test_hierarchical_broadcast_crosses_hosts_once_then_fans_out():
         assert t[r]["local_received"] == 2 * nb and not any(k.startswith("inter") for k in t[r])
 
 
-def test_layout_mismatch_fails_on_every_rank():
-    res = run_ranks("mismatch", 3)
+def test_layout_mismatch_fails_on_every_rank(pool):
+    res = run_ranks(pool, "mismatch", 3)
     for r in range(3):
         msg = res[r]["mismatch"]
         assert msg is not None and "rank(s) [2]" in msg
 
 
-def test_subscriber_polls_without_blocking_and_ends_on_newest():
-    res = run_ranks("subscriber", 3)
+def test_subscriber_polls_without_blocking_and_ends_on_newest(pool):
+    res = run_ranks(pool, "subscriber", 3)
     for r in (1, 2):
         polled = res[r]["polled"]
         assert polled and polled == sorted(polled) and polled[-1] == 5
         assert res[r]["digest"] == res[0]["digest"]
 
 
-def test_weight_traffic_on_its_own_group():
-    res = run_ranks("separate_groups", 3)
+def test_weight_traffic_on_its_own_group(pool):
+    res = run_ranks(pool, "separate_groups", 3)
     expect = sum((0 + i) + (1 + i) for i in range(20))
     assert res[0]["allreduce"] == res[1]["allreduce"] == expect
     assert res[2]["versions"] == [1, 2, 3]
@@ -319,8 +331,8 @@ def test_single_rank_world_and_safetensors_checkpoint(tmp_path):
         shutdown()
 
 
-def test_frozen_weights_go_out_with_the_first_version_only():
-    res = run_ranks("frozen", 4)
+def test_frozen_weights_go_out_with_the_first_version_only(pool):
+    res = run_ranks(pool, "frozen", 4)
     whole = sum(t.numel() * 4 for t in make_model(0).state_dict().values() if t.is_floating_point())
     frozen = (8 * 32 + 32) * 4
     assert res[0]["frozen_buckets"] >= 1 and res[0]["sizes"] == [whole, whole - frozen, whole - frozen]
@@ -328,8 +340,8 @@ def test_frozen_weights_go_out_with_the_first_version_only():
         assert res[r]["version"] == 3 and res[r]["digest"] == res[0]["digest"], r
 
 
-def test_a_rank_without_replicas_relays_versions_through_scratch_buffers():
-    res = run_ranks("relay", 4)
+def test_a_rank_without_replicas_relays_versions_through_scratch_buffers(pool):
+    res = run_ranks(pool, "relay", 4)
     assert res[3]["digest"] == res[0]["digest"] and res[3]["versions"] == [1, 2, 3]
     for r in (1, 2):  # the relays hold only a meta-device layout and saw every version
         assert res[r]["devices"] == {"meta"} and res[r]["versions"] == [1, 2, 3]

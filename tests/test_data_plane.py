@@ -337,6 +337,7 @@ def test_receive_buffers_are_reused_instead_of_faulting_in_anew():
     assert kept < 5 and mapped > 100 * max(kept, 1), (kept, mapped)  # here: ~0.05 and ~770
 
 
+@pytest.mark.alone
 def test_a_waiting_consumer_receives_itself_and_a_busy_one_finds_messages_prefetched():
     """While the consumer waits in get(), it reads the socket in its own thread; while it is
     busy elsewhere, the background thread fills the receive queue, in order."""
@@ -361,6 +362,7 @@ def test_a_waiting_consumer_receives_itself_and_a_busy_one_finds_messages_prefet
         assert seqs == list(range(56)) and rx.counters.received == 56
 
 
+@pytest.mark.alone
 def test_a_full_receive_queue_hands_over_as_soon_as_the_consumer_takes():
     """With ``recv_queue=1`` the receiver thread waits for room after nearly every message;
     it must wake when the consumer takes one, not sleep out a poll interval each time

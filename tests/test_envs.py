@@ -175,6 +175,7 @@ def test_long_tail_option_gives_heavy_tailed_episode_lengths():
         fast(options={"long_tail": 1.0, "long_tail_cap": 0.5})
 
 
+@pytest.mark.alone
 def test_render_cost_shifts_after_phase_after_renders():
     """options.phase_after: the workload's render cost changes mid-run (autotune's bench)."""
     import time

@@ -58,6 +58,7 @@ def test_custom_policy_meets_the_policy_contract():
         sys.modules.pop("_examples_policy_contract", None)
 
 
+@pytest.mark.slow
 def test_custom_policy_trains_with_the_swimlane(tmp_path):
     out = tmp_path / "custom"
     stdout = run([sys.executable, str(EXAMPLES / "custom_policy.py"), "--iterations", "4", "--out", str(out),
@@ -78,6 +79,7 @@ def test_custom_policy_trains_with_the_swimlane(tmp_path):
             "log_std", "value_head.weight"} <= keys
 
 
+@pytest.mark.slow
 def test_the_transformers_example_meets_the_contract_and_trains(tmp_path):
     """examples/hf_policy.py (a ViT and a Qwen2 decoder from transformers configs, a flow
     action expert): the policy contract, then 4 updates of the program itself, then the
@@ -104,6 +106,7 @@ def test_the_transformers_example_meets_the_contract_and_trains(tmp_path):
     assert summary["version"] == 2 and summary["rejected_extras"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_gym_env_trains_on_pendulum(tmp_path, algo):
     out = tmp_path / "gym"
@@ -132,6 +135,7 @@ def test_multinode_dry_run_prints_the_torchrun_command(tmp_path):
         assert arg in cmd, (arg, cmd)
 
 
+@pytest.mark.slow
 def test_multinode_demo_runs_two_nodes(tmp_path):
     out = tmp_path / "multinode"
     env = {"OUT_DIR": str(out), "SAVE_EVERY": "2", "PYTHON": sys.executable,

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_gpu_suite_smoke_runs_every_step(tmp_path):
     out = tmp_path / "suite.txt"
     proc = subprocess.run([str(ROOT / "bench" / "gpu_suite.sh"), "--cpu-smoke", "--out", str(out)], cwd=ROOT,

@@ -203,6 +203,7 @@ def test_a_truncated_episode_bootstraps_from_its_final_observation_and_gae_runs_
     assert adv2[:2, 0].tolist() == pytest.approx([e[0] + g * lam * e[1], e[1]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async", "autotune"])
 def test_a_run_with_independent_envs_learns_fast_reach(tmp_path, mode):
     """Learning rises with envs on their own clock, in both modes and with autotune moving
@@ -242,6 +243,7 @@ def test_a_gym_vector_env_restarts_single_envs():
     env.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("segment_len", [0, 5])
 def test_independent_chunks_cross_the_data_plane_under_torchrun(tmp_path, segment_len):
     """Two processes (rank 1 rolls out, rank 0 learns): the StreamRecorder's chunks, PPO

@@ -325,6 +325,7 @@ def test_only_active_groups_start_batches():
     assert sampling.parked == []
 
 
+@pytest.mark.alone
 def test_inference_waits_for_more_groups_up_to_its_wait():
     """swimlane.autotune's inference_wait_ms knob: a forward pass waits (up to wait_s) for
     the other groups' requests and answers them in one pass; without a wait it goes alone,

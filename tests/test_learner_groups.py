@@ -84,6 +84,7 @@ def _agree_worker(rank: int, port: int, backend: str | None, out) -> None:
         out.put((rank, {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
 
 
+@pytest.mark.slow
 def test_agree_on_a_group_joined_the_bench_way():
     """Two CPU ranks join as bench/learner_step.py does under torchrun (the launcher's
     ``init_from_env``): the learners agree on the largest counts."""
@@ -91,6 +92,7 @@ def test_agree_on_a_group_joined_the_bench_way():
     assert res[0] == res[1] == {"backend": "gloo", "agreed": [4, 10]}, res
 
 
+@pytest.mark.slow
 def test_a_group_without_a_cpu_backend_is_named_not_failed_inside():
     """What the bench's NCCL-only group did to ``_agree``, on the CPU: ``cuda:gloo`` registers a
     backend for CUDA tensors only, as ``nccl`` does. A CPU tensor used to go into the

@@ -89,14 +89,16 @@ def test_micro_batches_accumulate_to_the_same_update(algo, ratio, head):
         assert micro[key] == pytest.approx(full[key], rel=1e-4, abs=1e-5), key
 
 
+@pytest.mark.slow
 def test_bf16_autocast_learns_fast_reach(tmp_path):
     """algo.precision=bf16 (autocast on the CPU; fp32 weights and optimizer state): finite,
-    and success rises on a fixed seed."""
+    and success rises on a fixed seed. 32 envs (the preset's 64 took twice the time): success
+    0.13 -> 0.85 here (first and last 5 updates; 0.12 -> 0.88 with 64)."""
     from swimlane import Swimlane
 
     cfg = apply_overrides(fast_reach(), ["algo.precision=bf16", "algo.micro_batch=64", "swimlane.mode=sync",
                                          "swimlane.driver=serial", "run.iterations=25", "env.image_size=16",
-                                         "run.progress=false", f"run.out_dir={tmp_path}"])
+                                         "env.n_envs=32", "run.progress=false", f"run.out_dir={tmp_path}"])
     lanes = Swimlane(cfg)
     lanes.run()
     rows = [json.loads(line) for line in open(lanes.out_dir / "metrics.jsonl")]
@@ -106,6 +108,7 @@ def test_bf16_autocast_learns_fast_reach(tmp_path):
     assert sum(success[-5:]) / 5 > sum(success[:5]) / 5 + 0.3, success
 
 
+@pytest.mark.slow
 def test_a_learner_that_does_not_roll_out_holds_no_inference_replicas(tmp_path):
     """torchrun, a learner-only rank 0 and a rollout rank 1, memory in the persistent pool:
     rank 0 holds the weights, two Adam moments and the snapshot it publishes from (4 model

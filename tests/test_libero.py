@@ -41,6 +41,8 @@ def rendered():
     env.close()
 
 
+@pytest.mark.xdist_group("libero_rendered")
+@pytest.mark.slow
 def test_observation_schema_and_instruction(rendered):
     obs = rendered.reset()
     assert rendered.spec == EnvSpec(image_shape=(3, 32, 32), proprio_dim=8, action_dim=7,
@@ -59,6 +61,8 @@ def test_observation_schema_and_instruction(rendered):
     assert env_spec(libero_cfg(2, render=True, wrist_size=16)) == rendered.spec
 
 
+@pytest.mark.xdist_group("libero_rendered")
+@pytest.mark.slow
 def test_success_predicate_fires_on_a_scripted_state(rendered):
     """Put the bowl on the plate (the task's goal, from its BDDL): within a few steps the
     success predicate holds in that env only, with the success reward, terminating it."""
@@ -85,6 +89,7 @@ def test_success_predicate_fires_on_a_scripted_state(rendered):
     assert res.reward.tolist() == [1.0, 0.0]
 
 
+@pytest.mark.slow
 def test_groups_start_alike_and_restart_alone():
     """GRPO groups start from one of the task's fixed initial states each; on its own clock
     a group restarts (from a fixed state again) as soon as its episodes end."""
@@ -122,6 +127,7 @@ def test_groups_start_alike_and_restart_alone():
         env.close()
 
 
+@pytest.mark.slow
 def test_worker_processes_step_like_this_process():
     """The same envs spread over two spawned workers give the very same trajectory as in
     this process; a worker that dies is a one-line error, not a hang, and the next reset
@@ -184,6 +190,7 @@ def test_bad_options_are_one_line_errors():
         make_env(libero_cfg(2, task_ids=[12]))
 
 
+@pytest.mark.slow
 def test_a_training_update_then_dvla_eval(tmp_path, capsys):
     """One GRPO update of TinyVLA on a LIBERO task through the swimlane (sync mode, physics
     only), then ``dvla eval`` scores its checkpoint on the suite's fixed initial states."""
@@ -215,6 +222,7 @@ def test_a_training_update_then_dvla_eval(tmp_path, capsys):
         assert cli(args) == 2 and why in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_transformer_vla_preset_reads_both_cameras(tmp_path):
     """``libero_spatial_token``: the token VLA takes an update on rendered agent-view and
     wrist images, both recorded in its trajectories."""

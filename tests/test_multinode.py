@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from dvla.metrics import read_metrics
 
 
@@ -18,6 +20,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_train_together_over_the_tree(tmp_path):
     out = tmp_path / "two_nodes"
     port = free_port()

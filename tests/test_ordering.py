@@ -11,7 +11,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-from ranks import ordered_lanes, spawn_ranks
+from ranks import RankPool, ordered_lanes
 
 from swimlane.ordering import CollectiveOrder
 
@@ -40,8 +40,18 @@ def _worker(rank: int, port: int, world: int, gated: bool, out) -> None:
         out.put((rank, {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
 
 
-def run(gated: bool, world: int = 3) -> dict[int, list[str]]:
-    return spawn_ranks(_worker, world, world, gated)
+pytestmark = pytest.mark.xdist_group("ordering")  # one worker: its two runs share the pool below
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """The two runs below share one set of spawned ranks (each run its own process group)."""
+    with RankPool() as ranks:
+        yield ranks
+
+
+def run(pool: RankPool, gated: bool, world: int = 3) -> dict[int, list[str]]:
+    return pool.run(_worker, world, world, gated)
 
 
 def expected() -> list[str]:
@@ -51,18 +61,18 @@ def expected() -> list[str]:
     return seq + ["broadcast -1"]
 
 
-def test_learners_issue_collectives_in_one_order():
-    res = run(gated=True)
+def test_learners_issue_collectives_in_one_order(pool):
+    res = run(pool, gated=True)
     assert res[0] == expected(), res[0]
     # Rank 1 waits for the version after the last (N + EVERY) and gets the shutdown marker.
     assert res[1] == [s if s != "broadcast -1" else f"broadcast {N + EVERY}" for s in expected()]
     assert res[2] == [s for s in expected() if s.startswith("broadcast") and s != "broadcast -1"]
 
 
-def test_without_the_order_the_learners_disagree():
+def test_without_the_order_the_learners_disagree(pool):
     """The same lanes without the gates: the random delays reorder the collectives on one
     rank against the other (what would deadlock NCCL)."""
-    res = run(gated=False)
+    res = run(pool, gated=False)
     assert res[0] != expected() or res[1][: len(expected()) - 1] != expected()[:-1]
 
 

@@ -113,6 +113,7 @@ def _pid_of_rank(agent_pid: int, rank: int) -> int:
     return pid
 
 
+@pytest.mark.slow
 def test_killed_rollout_rank_restarts_resumes_and_counts_the_loss(tmp_path):
     out = _torchrun_and_kill(tmp_path, victim=2, at_iter=6, iterations=14)
     final = json.loads((out / "summary.json").read_text())
@@ -130,6 +131,7 @@ def test_killed_rollout_rank_restarts_resumes_and_counts_the_loss(tmp_path):
         - (first["version"] - final["resumed_from"])  # updates after the last checkpoint were redone
 
 
+@pytest.mark.slow
 def test_killed_learner_restarts_and_resumes_from_its_checkpoint(tmp_path):
     out = _torchrun_and_kill(tmp_path, victim=0, at_iter=5, iterations=12)
     final = json.loads((out / "summary.json").read_text())
@@ -139,6 +141,7 @@ def test_killed_learner_restarts_and_resumes_from_its_checkpoint(tmp_path):
     assert not (out / "attempts" / "attempt0.json").exists()  # SIGKILL: no summary, the checkpoint is what survives
 
 
+@pytest.mark.slow
 def test_a_hung_rollout_rank_is_detected_and_the_run_stops_with_a_report(tmp_path):
     """SIGSTOP freezes rollout rank 2 (no crash, no exit code for torchrun to see). The
     learner notices its heartbeats stopped and ends the attempt naming it, instead of

@@ -90,6 +90,7 @@ def _roles_worker(rank: int, port: int, out) -> None:
         out.put((rank, {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
 
 
+@pytest.mark.slow
 def test_a_learner_that_sits_an_update_out_leaves_the_weights_of_a_fixed_role_run():
     """Two gloo learners, three PPO updates (two epochs of four minibatches each); in the
     second, learner 1 has no samples. With the masked average its weights and Adam moments
@@ -232,6 +233,7 @@ def test_adaptive_roles_are_checked():
             apply_overrides(debug(), base + bad).validate()
 
 
+@pytest.mark.slow
 def test_a_rank_moves_between_rollout_and_learning_mid_run(tmp_path):
     """Three processes under torchrun: rank 0 learns, rank 1 is a candidate, rank 2 samples
     slowly; learning is slow (many epochs), weights go out every second version. Rank 1

@@ -114,6 +114,7 @@ def test_report_without_an_argument_takes_the_latest_run(tmp_path, monkeypatch, 
 # -- real launches --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_launches_two_directories_then_resume_and_trace_the_latest(tmp_path):
     first = launch("run.iterations=1", cwd=tmp_path)
     second = launch("run.iterations=1", cwd=tmp_path)
@@ -144,11 +145,17 @@ def test_two_launches_two_directories_then_resume_and_trace_the_latest(tmp_path)
     assert (runs[1] / "gantt.png").exists() and not (runs[0] / "gantt.png").exists()
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_share_one_run_directory_and_rank0_logs_placement(tmp_path):
+    """(Also tests/test_trainer.py's torchrun launch with two processes: one job for both.)"""
+    from dvla.metrics import read_metrics
+
     proc = launch("run.iterations=2", "run.out_dir=out", cwd=tmp_path, torchrun=2)
     runs = [p for p in (tmp_path / "out").iterdir() if p.name != LATEST]
     assert len(runs) == 1
     run = runs[0]
+    rows = read_metrics(run / "metrics.jsonl")
+    assert len(rows) == 2 and rows[-1]["world_size"] == 2
     assert (run / "summary.json").exists() and (run / "summary_rank1.json").exists()
     assert (run / "trace.json").exists() and (run / "trace_rank1.json").exists()
     err = proc.stderr

@@ -176,6 +176,7 @@ def test_segments_need_ppo_and_independent_envs():
         apply_overrides(fast_reach(), ["swimlane.segment_len=-1"]).validate()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_run_on_segments_learns_fast_reach(tmp_path, mode):
     """PPO on segments of 8 decisions (episodes up to 12): no env idles, and learning rises."""

@@ -1,7 +1,11 @@
 """Soak: two fast rollout ranks feed a deliberately slow learner over the real planes
 (admission by weights version loosened with a large ``max_staleness``, so nothing but
 the data plane holds the rollout ranks back)
-for about 110 s, so the data plane is under backpressure most of the time. Memory must
+for about 110 s, so the data plane is under backpressure most of the time. The learner is
+slow by waiting (``learn_wait_ms``: each learning forward pass waits a quarter second without a
+core, a learner on hardware of its own) rather than by computing 30 epochs: blocked senders
+and a waiting learner leave the CPU to the rest of the suite (27 s of CPU instead of the whole
+machine for two minutes), and the receive queue is as full. Memory must
 stay bounded: once warmed up (``WARMUP_S``; the highest resident set over the next 15 s
 is the plateau), no worker's resident set rises more than ``RSS_GROWTH_BOUND`` above its
 plateau for the rest of the run, and every chunk sent is accounted for at the end.
@@ -18,6 +22,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from dvla.metrics import read_metrics
 
@@ -48,12 +54,13 @@ def _workers(agent: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_soak_under_backpressure_keeps_memory_bounded(tmp_path):
     out = tmp_path / "soak"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            "-m", "dvla.launch", "--preset", "fast_reach", "run.iterations=1000000", f"run.time_limit_s={SOAK_S}",
            "env.image_size=32", "env.n_envs=32", "swimlane.colocate=false", "swimlane.queue_size=2",
-           "algo.update_epochs=30", "swimlane.max_staleness=50", "swimlane.trace=false", "run.progress=false",
+           "policy.options.learn_wait_ms=250", "swimlane.max_staleness=50", "swimlane.trace=false", "run.progress=false",
            "run.torch_threads=1", f"run.out_dir={out.parent}", f"run.name={out.name}"]
     log = open(tmp_path / "soak.log", "w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,

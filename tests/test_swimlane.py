@@ -305,6 +305,7 @@ def test_proximal_loglinear_interpolates_by_version_lag_without_a_forward_pass(t
     assert stats["staleness_max"] == 2 and stats["is_weight_mean"] > 0 and 0 <= stats["is_weight_clipped"] <= 1
 
 
+@pytest.mark.slow
 def test_an_async_run_with_the_loglinear_proximal_learns(tmp_path):
     """The interpolated proximal policy is a working off-policy correction: an async run
     on stale data learns the fast env."""
@@ -341,7 +342,13 @@ def test_an_exception_in_a_lane_ends_the_run_with_its_traceback(tmp_path):
     assert "env group 1 failed 3 times in a row" in str(info.value)
 
 
-def test_a_simulator_exception_resets_its_group_and_is_counted(tmp_path):
+def test_a_simulator_exception_resets_its_group_and_is_counted(tmp_path, monkeypatch):
+    import swimlane.rank as rank
+
+    # A dropped batch leaves the rollouts throttled until the learner publishes, which it
+    # cannot without that batch: they sample anyway after _THROTTLE_S (2 s), 8 s of this
+    # test's 9 with two errors. A shorter wait proves the same.
+    monkeypatch.setattr(rank, "_THROTTLE_S", 0.2)
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=6", "swimlane.env_groups=2"))
     real_step, calls = lanes.envs[1].step, {"n": 0}
 
@@ -358,7 +365,14 @@ def test_a_simulator_exception_resets_its_group_and_is_counted(tmp_path):
     assert sum(1 for s in spans if s[:2] == ("sampling", "env_error")) == 2
 
 
-def test_a_stuck_simulator_is_reported_not_a_silent_hang(tmp_path):
+def test_a_stuck_simulator_is_reported_not_a_silent_hang(tmp_path, monkeypatch):
+    import swimlane.runner as runner
+
+    # run() leaves the stuck lane after its grace periods (10 s and 5 s, which
+    # test_a_stop_does_not_wait_forever_for_a_lane_blocked_in_a_collective tests): shortened
+    # here, where only the report is tested.
+    monkeypatch.setattr(runner, "_STOP_GRACE_S", 0.5)
+    monkeypatch.setattr(runner, "_JOIN_S", 0.5)
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=1000", "swimlane.stall_timeout_s=2"))
     release = threading.Event()
     real_step = lanes.envs[0].step
@@ -486,15 +500,18 @@ def test_publishing_every_third_version_does_not_livelock(tmp_path):
     assert max(r["staleness_max"] for r in rows) == 2  # data from two versions behind was used
 
 
-def test_a_learner_that_drops_every_chunk_reports_a_stall(tmp_path):
+def test_a_learner_that_drops_every_chunk_reports_a_stall(tmp_path, monkeypatch):
     """Chunks that arrive but are all too stale are no progress: the stall check fires
     (it used to count a dropped chunk as activity and wait forever)."""
-    lanes = Swimlane(cfg_for(tmp_path, "run.iterations=1000", "swimlane.stall_timeout_s=5"))
+    import swimlane.rank as rank
+
+    monkeypatch.setattr(rank, "_THROTTLE_S", 0.2)  # 2 s in a run; the stall below is 10 times it
+    lanes = Swimlane(cfg_for(tmp_path, "run.iterations=1000", "swimlane.stall_timeout_s=2"))
     lanes.sl.max_staleness = -1  # every chunk is too stale (not a valid config; the test forces it)
     t0 = time.monotonic()
-    # Admission holds the rollouts back for 2 s (no weights fresh enough), then they sample
-    # anyway, and the learner drops what arrives.
-    with pytest.raises(LaneError, match=r"no usable trajectory chunk for 5s .*dropped_stale=[1-9]"):
+    # Admission holds the rollouts back for _THROTTLE_S (no weights fresh enough), then they
+    # sample anyway, and the learner drops what arrives.
+    with pytest.raises(LaneError, match=r"no usable trajectory chunk for 2s .*dropped_stale=[1-9]"):
         lanes.run()
     assert time.monotonic() - t0 < 30
 
@@ -532,6 +549,7 @@ def test_double_buffered_weights_never_expose_a_torn_version():
     assert w.swaps > 5
 
 
+@pytest.mark.slow
 def test_three_process_run_learns_over_real_planes(tmp_path):
     """torchrun: rank 0 learns and publishes, ranks 1 and 2 sample and infer; chunks over
     the ZeroMQ data plane, weights over the gloo control plane. The policy must learn. The
@@ -567,6 +585,7 @@ def test_three_process_run_learns_over_real_planes(tmp_path):
         assert infers > 100 and waits <= 2, (waits, infers)  # inline: only the wait for the first weights
 
 
+@pytest.mark.slow
 def test_two_learner_ranks_average_gradients_and_finish(tmp_path):
     """Learner ranks 0 and 1 (both also sampling) and a rollout-only rank 2: chunks are
     routed per learner, gradients all-reduced between the learners, and the run ends. Both

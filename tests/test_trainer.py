@@ -40,6 +40,7 @@ def test_ppo_debug_run(debug_cfg):
     assert summary["version"] == 3
 
 
+@pytest.mark.slow
 def test_success_rate_rises_on_fast_env(tmp_path):
     """Train briefly on a fixed seed; the success rate of the trained policy must beat
     that of the initial policy, both measured on the same fresh episodes of an env of
@@ -85,8 +86,11 @@ def test_launch_bad_config_is_a_clear_error(tmp_path):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_torchrun_launch(tmp_path, nproc):
+@pytest.mark.slow
+def test_torchrun_launch(tmp_path):
+    """One process under torchrun; tests/test_rundir.py's torchrun test checks the same on
+    its job of two (one job for both)."""
+    nproc = 1
     out = tmp_path / "t"
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
           "-m", "dvla.launch", "--preset", "debug", "run.iterations=2", f"run.out_dir={tmp_path}",

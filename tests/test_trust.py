@@ -305,6 +305,7 @@ def test_an_env_declares_its_reward_range_and_a_bad_one_is_refused():
             EnvSpec((3, 2, 2), 1, 1, reward_range=bad)
 
 
+@pytest.mark.slow
 def test_a_default_single_host_job_receives_on_ipc_only(tmp_path):
     """A real two-rank job on one host (torchrun, defaults): the learner's receiver listens
     on its ipc directory and on no tcp port, nothing is rejected, no warning."""

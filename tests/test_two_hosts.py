@@ -16,9 +16,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 from ranks import LineProcess, torchrun_workers
 
 from dvla.metrics import read_metrics
+
+pytestmark = pytest.mark.slow  # two torchrun agents and their ranks per test, in namespaces
 
 
 def torchrun(host, hosts, port: int, out, *overrides: str, extra: tuple[str, ...] = ()) -> list[str]:
