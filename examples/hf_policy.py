@@ -1,4 +1,4 @@
-"""Wrap Hugging Face ``transformers`` models as a dvla policy: a pi0-style flow-matching VLA.
+"""Wrap Hugging Face ``transformers`` models as a dvla policy: a flow-matching VLA.
 
 What this shows
 ---------------
@@ -8,10 +8,13 @@ What this shows
     - a Qwen2 decoder (``Qwen2Model``) reads the patches, the instruction and the state as
       one sequence of embeddings (the instruction through a real subword tokenizer, with
       its attention mask: ``dvla.tokenizers.builtin_tokenizer``);
-    - a flow-matching action expert (``dvla.heads.flow.FlowMatchingHead``) denoises an action
-      chunk from the decoder's last position and the state, with noise at every step so that each chunk has an
-      exact log-probability. Its denoising chain is a *rollout extra*: it travels with the
-      trajectory and the learner scores exactly the chain that was sampled.
+    - a flow-matching head (``dvla.heads.flow.FlowMatchingHead``) denoises an action chunk
+      with an MLP velocity model (``MLPVelocity``) conditioned on the decoder's last position
+      and the state, with noise at every step so that each chunk has an exact
+      log-probability. Its denoising chain is a *rollout extra*: it travels with the
+      trajectory and the learner scores exactly the chain that was sampled. (A pi0-style
+      action expert, a transformer reading the decoder's per-layer keys and values, is the
+      built-in ``pi0_vla``: docs/pi0.md.)
 * ``preprocess``: the image resized and normalised for the ViT.
 * Training it on ``fast_reach`` with the swimlane, one line per update.
 
@@ -42,7 +45,7 @@ from tqdm import tqdm
 
 from dvla import PolicyOutput, PolicySpec, VLAPolicy, register_policy
 from dvla.config import apply_overrides
-from dvla.heads.flow import FlowMatchingHead
+from dvla.heads.flow import FlowMatchingHead, MLPVelocity
 from dvla.tokenizers import builtin_tokenizer
 from dvla.types import Observation
 
@@ -76,7 +79,8 @@ class HFFlowVLA(VLAPolicy):
             num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * w, max_position_embeddings=256,
             pad_token_id=self.tokenizer.pad_id))
         self.state_embed = nn.Linear(spec.proprio_dim, w)
-        self.action_expert = FlowMatchingHead(2 * w, spec.action_chunk, spec.action_dim, hidden_dim=w,
+        velocity = MLPVelocity(2 * w, spec.action_chunk, spec.action_dim, hidden_dim=w)
+        self.action_expert = FlowMatchingHead(velocity, spec.action_chunk, spec.action_dim,
                                               steps=config.flow_steps, init_log_sigma=config.init_log_sigma)
 
     def rollout_extras(self):

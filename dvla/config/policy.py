@@ -21,4 +21,7 @@ class PolicyConfig:
     """The policy's own ``Config`` (tiny_vla: ``hidden_dim, vision_channels, embed_dim,
     vocab_size, max_tokens, head (bins|gaussian|flow), n_bins, flow_steps, init_log_std,
     value_head``; token_vla: ``size (tiny|0.5b|7b), vision, lm, n_bins, decoding, tokenizer,
-    max_tokens, pretrained_path, lora_rank, lora_alpha, lora_targets, value_head, cameras``)."""
+    max_tokens, pretrained_path, lora_rank, lora_alpha, lora_targets, value_head, cameras``;
+    pi0_vla: ``size (tiny|3b), vision, lm, expert, flow_steps, init_log_sigma, tokenizer,
+    max_tokens, pretrained_path, lora_rank, lora_alpha, lora_targets, lora_expert, value_head,
+    cameras``)."""

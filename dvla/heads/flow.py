@@ -16,11 +16,38 @@ learner scores the same transitions under its weights. Per-dimension log-probs a
 dimension's share of the transitions (they sum to the joint one), which ``algo.ratio=dim``
 and ``step`` use. ``sigma`` is learned per action dimension within
 ``[min_log_sigma, max_log_sigma]``.
+
+The velocity model
+------------------
+The head owns no network of its own: it takes the velocity model ``v(x, t, cond)``, any
+module or callable, with
+
+* ``x``: the noisy chunk ``(B, K, D)``, float32;
+* ``t``: the flow time, a ``(B,)`` float32 tensor on ``x``'s device, ``t_i = i / N`` (0 is
+  the noise, 1 the data; pi0's own clock runs the other way, ``1 - t``);
+* ``cond``: whatever the policy's ``forward`` passed to ``head(cond)``: a ``(B, C)`` tensor,
+  a KV cache with its attention mask, a dataclass of them. The head never looks inside it,
+  except to repeat it for the batched scoring below.
+
+It returns the velocity ``(B, K, D)``. A module is registered inside the head (its
+parameters train, shard and are saved with the policy); a plain callable (a bound method of
+the policy, say) is only called. :class:`MLPVelocity` is the MLP velocity model for a policy
+whose condition is one feature vector.
+
+The policy's ``forward`` computes ``cond`` once per decision (a VLM prefix and its KV
+cache, say); the rollout's ``N`` steps and the learner's scoring of the recorded chain reuse
+it. The learner scores all ``N`` transitions in one call of the velocity model
+(``batch_steps``): ``x`` and ``t`` are the ``N`` steps stacked step-major (``(N * B, K, D)``)
+and ``cond`` is repeated ``N`` times: every tensor in it whose first dimension is ``B``
+(through dataclasses, dicts, lists and tuples), or ``cond.repeat_steps(n)`` where the
+condition defines it. ``batch_steps=False`` calls the model once per step instead.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -30,55 +57,136 @@ from dvla.distributions import ActionDistribution, Draw, Extras, ExtraSpec
 CHAIN = "chain"
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
+VelocityModel = Callable[[Tensor, Tensor, Any], Tensor]
 
-def _time_features(t: float, n: int, like: Tensor) -> Tensor:
-    """Sinusoidal features of the flow time ``t`` in [0, 1]: ``(B, n)``."""
-    freqs = torch.exp(torch.arange(n // 2, device=like.device, dtype=like.dtype) * (-math.log(1000.0) / max(n // 2, 1)))
-    ang = t * 1000.0 * freqs
-    return torch.cat([ang.sin(), ang.cos()]).expand(like.shape[0], -1)
+
+def time_features(t: Tensor | float, n: int, like: Tensor | None = None) -> Tensor:
+    """Sinusoidal features of the flow time ``t`` in [0, 1] (a float, or ``(B,)``):
+    ``(B, n)`` (``(1, n)`` for a float, or ``(like.shape[0], n)`` with ``like``)."""
+    ref = like if isinstance(like, Tensor) else t if isinstance(t, Tensor) else None
+    device = ref.device if ref is not None else None
+    dtype = like.dtype if isinstance(like, Tensor) else torch.float32
+    freqs = torch.exp(torch.arange(n // 2, device=device, dtype=dtype) * (-math.log(1000.0) / max(n // 2, 1)))
+    t = torch.as_tensor(t, device=device, dtype=torch.float64).reshape(-1, 1)
+    ang = (t * 1000.0).to(dtype) * freqs
+    feats = torch.cat([ang.sin(), ang.cos()], dim=-1)
+    return feats.expand(like.shape[0], -1) if like is not None and feats.shape[0] == 1 else feats
+
+
+class MLPVelocity(nn.Module):
+    """The velocity of a condition that is one feature vector ``(B, cond_dim)``: an MLP on
+    ``concat(x flattened, time features, cond)``."""
+
+    def __init__(self, cond_dim: int, action_chunk: int, action_dim: int, *, hidden_dim: int = 256,
+                 time_dim: int = 16):
+        super().__init__()
+        self.k, self.d, self.time_dim = action_chunk, action_dim, time_dim
+        n = action_chunk * action_dim
+        self.net = nn.Sequential(nn.Linear(n + time_dim + cond_dim, hidden_dim), nn.SiLU(),
+                                 nn.Linear(hidden_dim, hidden_dim), nn.SiLU(), nn.Linear(hidden_dim, n))
+        nn.init.normal_(self.net[-1].weight, std=0.01)
+        nn.init.zeros_(self.net[-1].bias)
+
+    def forward(self, x: Tensor, t: Tensor, cond: Tensor) -> Tensor:
+        b = x.shape[0]
+        feats = time_features(t, self.time_dim, x).to(cond.dtype)
+        return self.net(torch.cat([x.reshape(b, -1).to(cond.dtype), feats, cond], dim=-1)).reshape(b, self.k, self.d)
+
+
+def cond_tensors(cond: Any) -> Iterator[Tensor]:
+    """The tensors of a condition, through dataclasses, dicts, lists and tuples."""
+    if isinstance(cond, Tensor):
+        yield cond
+    elif dataclasses.is_dataclass(cond) and not isinstance(cond, type):
+        for f in dataclasses.fields(cond):
+            yield from cond_tensors(getattr(cond, f.name))
+    elif isinstance(cond, dict):
+        for v in cond.values():
+            yield from cond_tensors(v)
+    elif isinstance(cond, (list, tuple)):
+        for v in cond:
+            yield from cond_tensors(v)
+
+
+def repeat_cond(cond: Any, n: int, batch: int) -> Any:
+    """``cond`` for ``n`` stacked copies of the batch: each tensor whose first dimension is
+    ``batch`` repeated ``n`` times along it (step-major), ``cond.repeat_steps(n)`` where defined."""
+    if hasattr(cond, "repeat_steps"):
+        return cond.repeat_steps(n)
+    if isinstance(cond, Tensor):
+        return cond.repeat(n, *(1,) * (cond.dim() - 1)) if cond.dim() and cond.shape[0] == batch else cond
+    if dataclasses.is_dataclass(cond) and not isinstance(cond, type):
+        return dataclasses.replace(cond, **{f.name: repeat_cond(getattr(cond, f.name), n, batch)
+                                            for f in dataclasses.fields(cond) if f.init})
+    if isinstance(cond, dict):
+        return {k: repeat_cond(v, n, batch) for k, v in cond.items()}
+    if isinstance(cond, (list, tuple)):
+        return type(cond)(repeat_cond(v, n, batch) for v in cond)
+    return cond
 
 
 class FlowMatchingHead(nn.Module):
-    """``head(cond)`` with ``cond`` ``(B, cond_dim)`` gives a :class:`FlowChainDistribution`
-    over ``(B, action_chunk, action_dim)`` chunks."""
+    """``head(cond)`` gives a :class:`FlowChainDistribution` over ``(B, action_chunk,
+    action_dim)`` chunks, denoised by ``velocity(x, t, cond)`` (see the module docstring)."""
 
-    def __init__(self, cond_dim: int, action_chunk: int, action_dim: int, *, hidden_dim: int = 256, steps: int = 4,
+    def __init__(self, velocity: nn.Module | VelocityModel, action_chunk: int, action_dim: int, *, steps: int = 4,
                  init_log_sigma: float = -1.5, min_log_sigma: float = -5.0, max_log_sigma: float = 0.0,
-                 time_dim: int = 16):
+                 batch_steps: bool = True):
         super().__init__()
+        if not callable(velocity):
+            raise TypeError(f"FlowMatchingHead takes a velocity model v(x, t, cond) (a module or callable), got "
+                            f"{velocity!r}; for an MLP on a (B, cond_dim) condition pass MLPVelocity(cond_dim, ...)")
         if steps < 1 or not min_log_sigma <= init_log_sigma <= max_log_sigma:
             raise ValueError("FlowMatchingHead needs steps >= 1 and min_log_sigma <= init_log_sigma <= max_log_sigma")
-        self.k, self.d, self.steps, self.time_dim = action_chunk, action_dim, steps, time_dim
+        self.k, self.d, self.steps, self.batch_steps = action_chunk, action_dim, steps, batch_steps
         self.min_log_sigma, self.max_log_sigma = min_log_sigma, max_log_sigma
-        n = action_chunk * action_dim
-        self.velocity_net = nn.Sequential(nn.Linear(n + time_dim + cond_dim, hidden_dim), nn.SiLU(),
-                                          nn.Linear(hidden_dim, hidden_dim), nn.SiLU(), nn.Linear(hidden_dim, n))
-        nn.init.normal_(self.velocity_net[-1].weight, std=0.01)
-        nn.init.zeros_(self.velocity_net[-1].bias)
+        if isinstance(velocity, nn.Module):
+            self.velocity_model = velocity  # a submodule: trained, sharded, saved
+        else:
+            self.velocity_model = None
+            self._velocity_fn = velocity  # not a submodule: a bound method of the policy makes no cycle
         self.log_sigma = nn.Parameter(torch.full((action_chunk, action_dim), float(init_log_sigma)))
 
     def rollout_extras(self) -> dict[str, ExtraSpec]:
         """What a policy with this head returns from ``VLAPolicy.rollout_extras``."""
         return {CHAIN: ExtraSpec((self.steps, self.k, self.d), torch.float32)}
 
-    def velocity(self, x: Tensor, i: int, cond: Tensor) -> Tensor:
-        """``v(x_i, t_i, cond)`` for step ``i`` (``t_i = i / steps``): ``(B, K, D)``."""
-        b = x.shape[0]
-        t = _time_features(i / self.steps, self.time_dim, cond)
-        return self.velocity_net(torch.cat([x.reshape(b, -1), t, cond], dim=-1)).reshape(b, self.k, self.d)
+    def velocity(self, x: Tensor, t: Tensor, cond: Any) -> Tensor:
+        """``v(x, t, cond)``, checked to be ``x``'s shape."""
+        fn = self.velocity_model if self.velocity_model is not None else self._velocity_fn
+        v = fn(x, t, cond)
+        if not isinstance(v, Tensor) or v.shape != x.shape:
+            got = tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__
+            raise ValueError(f"the flow head's velocity model returned {got} for x of shape {tuple(x.shape)}: "
+                             "it must return a tensor of x's shape")
+        return v
 
-    def forward(self, cond: Tensor) -> FlowChainDistribution:
-        return FlowChainDistribution(self, cond.float())
+    def forward(self, cond: Any, batch_size: int | None = None) -> FlowChainDistribution:
+        """``batch_size``: the decisions (default: the first dimension of ``cond``'s first tensor)."""
+        if isinstance(cond, Tensor):
+            cond = cond.float()
+        return FlowChainDistribution(self, cond, batch_size)
 
 
 class FlowChainDistribution(ActionDistribution):
-    def __init__(self, head: FlowMatchingHead, cond: Tensor):
+    def __init__(self, head: FlowMatchingHead, cond: Any, batch_size: int | None = None):
         self.head, self.cond = head, cond
+        # The condition's tensors, where a sharded learner finds what starts the backward pass.
+        self.cond_tensors = tuple(cond_tensors(cond))
         self.log_sigma = head.log_sigma.clamp(head.min_log_sigma, head.max_log_sigma)
+        if batch_size is None:
+            if not self.cond_tensors or self.cond_tensors[0].dim() == 0:
+                raise ValueError("the flow head cannot tell the batch size from a condition without a batched "
+                                 "tensor: pass head(cond, batch_size=B)")
+            batch_size = self.cond_tensors[0].shape[0]
+        self.batch_size = batch_size
+
+    def _time(self, i: int, like: Tensor) -> Tensor:
+        return torch.full((like.shape[0],), i / self.head.steps, device=like.device, dtype=torch.float32)
 
     def mean_of_next(self, x: Tensor, i: int) -> Tensor:
         """The mean of ``x_{i+1}`` given ``x_i``: one Euler step of the velocity field."""
-        return x + self.head.velocity(x, i, self.cond) / self.head.steps
+        return x + self.head.velocity(x, self._time(i, x), self.cond) / self.head.steps
 
     def _transition_log_prob(self, x_next: Tensor, mean: Tensor) -> Tensor:
         z = (x_next - mean) * torch.exp(-self.log_sigma)
@@ -87,8 +195,8 @@ class FlowChainDistribution(ActionDistribution):
     def draw(self, deterministic: bool = False, generator: torch.Generator | None = None) -> Draw:
         """Run the noisy chain (``deterministic``: the noise-free integration from ``x_0 = 0``,
         scored as if its steps were the means of the transitions)."""
-        b, dev = self.cond.shape[0], self.cond.device
-        shape = (b, self.head.k, self.head.d)
+        dev = self.log_sigma.device
+        shape = (self.batch_size, self.head.k, self.head.d)
         x = torch.zeros(shape, device=dev) if deterministic else torch.randn(shape, generator=generator, device=dev)
         chain, elements = [], torch.zeros(shape, device=dev)
         sigma = self.log_sigma.exp()
@@ -108,20 +216,27 @@ class FlowChainDistribution(ActionDistribution):
 
     def log_prob_elements(self, actions: Tensor, extras: Extras | None = None) -> Tensor:
         chain = (extras or {}).get(CHAIN)
-        want = (actions.shape[0], self.head.steps, self.head.k, self.head.d)
+        b, n = actions.shape[0], self.head.steps
+        want = (b, n, self.head.k, self.head.d)
         if chain is None or tuple(chain.shape) != want:
             got = None if chain is None else tuple(chain.shape)
             raise ValueError(f"the flow head scores a chunk by its denoising chain: extras['{CHAIN}'] of shape "
                              f"{want} is needed, got {got}")
-        chain = chain.float()
-        elements = torch.zeros_like(actions, dtype=torch.float32)
-        for i in range(self.head.steps):
-            x_next = chain[:, i + 1] if i + 1 < self.head.steps else actions.float()
-            elements = elements + self._transition_log_prob(x_next, self.mean_of_next(chain[:, i], i))
+        chain, actions = chain.float(), actions.float()
+        nexts = torch.cat([chain[:, 1:], actions[:, None]], dim=1)  # x_{i+1} of every transition
+        if self.head.batch_steps and n > 1:  # all N transitions in one call of the velocity model
+            xs = chain.transpose(0, 1).reshape(n * b, self.head.k, self.head.d)
+            ts = torch.tensor([i / n for i in range(n)], device=xs.device).repeat_interleave(b)
+            v = self.head.velocity(xs, ts, repeat_cond(self.cond, n, b))
+            means = chain + v.reshape(n, b, self.head.k, self.head.d).transpose(0, 1) / n
+            return self._transition_log_prob(nexts, means).sum(dim=1)
+        elements = torch.zeros_like(actions)
+        for i in range(n):
+            elements = elements + self._transition_log_prob(nexts[:, i], self.mean_of_next(chain[:, i], i))
         return elements
 
     def entropy(self, extras: Extras | None = None) -> Tensor:
         """The transitions' entropy (of the chain given ``x_0``), per decision: it depends on
         sigma only."""
         per_step = (0.5 + _HALF_LOG_2PI + self.log_sigma).sum()
-        return (self.head.steps * per_step).expand(self.cond.shape[0])
+        return (self.head.steps * per_step).expand(self.batch_size)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from dvla.distributions import BinnedActionDistribution, GaussianActionDistribution
-from dvla.heads.flow import FlowMatchingHead
+from dvla.heads.flow import FlowMatchingHead, MLPVelocity
 from dvla.tokenizers import HashTokenizer
 from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, register_policy
 from dvla.types import Observation
@@ -99,7 +99,8 @@ class TinyVLA(VLAPolicy):
         )
         self.n_act = spec.action_chunk * spec.action_dim
         if config.head == "flow":
-            self.action_head = FlowMatchingHead(h, spec.action_chunk, spec.action_dim, hidden_dim=h,
+            velocity = MLPVelocity(h, spec.action_chunk, spec.action_dim, hidden_dim=h)
+            self.action_head = FlowMatchingHead(velocity, spec.action_chunk, spec.action_dim,
                                                 steps=config.flow_steps, init_log_sigma=config.init_log_std)
         else:
             self.action_head = nn.Linear(h, self.n_act * (config.n_bins if config.head == "bins" else 1))

@@ -1,0 +1,139 @@
+"""Load a public pi0 checkpoint into :class:`dvla.models.pi0_vla.Pi0VLA`.
+
+The PyTorch pi0 checkpoints (openpi's ``models_pytorch`` port and LeRobot's ``pi0`` policy)
+are one ``model.safetensors`` whose keys name a PaliGemma with a Gemma action expert:
+
+* ``paligemma_with_expert.paligemma.model.vision_tower.vision_model.*``: the SigLIP tower
+  (older exports: ``paligemma.vision_tower.*``) -> ``vision.vision_model.*``;
+* ``...paligemma.model.multi_modal_projector.linear.*`` -> ``projector.*``;
+* ``...paligemma.model.language_model.{embed_tokens,layers.N,norm}.*`` (older:
+  ``paligemma.language_model.model.*``) -> ``lm.*``; where ``embed_tokens`` was left out as
+  the tied copy of ``paligemma.lm_head.weight``, that is taken instead;
+* ``...gemma_expert.model.{layers.N,norm}.*`` -> the expert's (``action_head.velocity_model.*``);
+* ``state_proj``, ``action_in_proj``, ``action_out_proj``, ``action_time_mlp_in/out`` -> the
+  expert's. pi0 zero-pads state and actions to 32 dimensions: a wider checkpoint's
+  projections keep their leading ``proprio_dim`` / ``action_dim`` columns (rows for the output).
+
+LeRobot's keys carry a leading ``model.``. The language heads (``lm_head``) are not used.
+Whatever else does not fit (a missing or unexpected key, a shape) is one error naming it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+_ROOT = "paligemma_with_expert."
+_EXPERT = "action_head.velocity_model."
+_RENAMES = (  # (checkpoint prefix after the root, model prefix); first match wins
+    ("paligemma.model.vision_tower.", "vision."),
+    ("paligemma.vision_tower.", "vision."),
+    ("paligemma.model.multi_modal_projector.linear.", "projector."),
+    ("paligemma.multi_modal_projector.linear.", "projector."),
+    ("paligemma.model.language_model.", "lm."),
+    ("paligemma.language_model.model.", "lm."),
+    ("gemma_expert.model.layers.", _EXPERT + "layers."),
+    ("gemma_expert.model.norm.", _EXPERT + "norm."),
+)
+_TOP = ("state_proj.", "action_in_proj.", "action_out_proj.", "action_time_mlp_in.", "action_time_mlp_out.")
+_UNUSED = ("paligemma.lm_head.", "paligemma.language_model.lm_head.", "gemma_expert.lm_head.")
+_TIED = ("paligemma.lm_head.weight", "paligemma.language_model.lm_head.weight")
+# Parameters of the built-in model that a pi0 checkpoint has no counterpart for.
+_OWN = ("action_head.log_sigma", "value_mlp.")
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_file(path: str | Path) -> Path:
+    path = Path(path)
+    file = path / "model.safetensors" if path.is_dir() else path
+    if not file.is_file():
+        raise CheckpointError(f"pi0 checkpoint: no model.safetensors in {path}")
+    return file
+
+
+def model_key(key: str) -> str | None:
+    """The built-in model's name for a checkpoint key; None for a key it does not use; the key
+    itself (marked unexpected later) when it is not a pi0 key."""
+    key = key[len("model."):] if key.startswith("model." + _ROOT) or key.startswith("model.action_") \
+        or key.startswith("model.state_proj.") else key
+    if key.startswith(_TOP):
+        return _EXPERT + key
+    if key.startswith(_ROOT):
+        rest = key[len(_ROOT):]
+        if rest.startswith(_UNUSED):
+            return None
+        for old, new in _RENAMES:
+            if rest.startswith(old):
+                return new + rest[len(old):]
+    return "?" + key
+
+
+def _fit(name: str, value: Tensor, want: torch.Size) -> Tensor | None:
+    """``value`` shaped as ``want``: itself, or pi0's zero-padded state/action projections cut."""
+    if value.shape == want:
+        return value
+    if value.dim() == 2 and name.endswith(("state_proj.weight", "action_in_proj.weight")) \
+            and value.shape[0] == want[0] and value.shape[1] > want[1]:
+        return value[:, : want[1]]
+    if name.endswith("action_out_proj.weight") and value.dim() == 2 and value.shape[1] == want[1] \
+            and value.shape[0] > want[0]:
+        return value[: want[0]]
+    if name.endswith("action_out_proj.bias") and value.dim() == 1 and value.shape[0] > want[0]:
+        return value[: want[0]]
+    return None
+
+
+def convert_state_dict(tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    """A pi0 checkpoint's tensors renamed (and cut) for ``model``; a :class:`CheckpointError`
+    names the missing and unexpected keys and the shape mismatches."""
+    own = model.state_dict()
+    out: dict[str, Tensor] = {}
+    unexpected, mismatched, tied, seen = [], [], None, set()
+    for key, value in tensors.items():
+        name = model_key(key)
+        if name is None:
+            if key.removeprefix("model.").removeprefix(_ROOT) in _TIED:
+                tied = value
+            continue
+        if name not in own:
+            unexpected.append(key)
+            continue
+        seen.add(name)
+        fitted = _fit(name, value, own[name].shape)
+        if fitted is None:
+            mismatched.append(f"{key} {tuple(value.shape)} vs {tuple(own[name].shape)}")
+        else:
+            out[name] = fitted
+    if "lm.embed_tokens.weight" not in out and tied is not None:
+        fitted = _fit("lm.embed_tokens.weight", tied, own["lm.embed_tokens.weight"].shape)
+        if fitted is None:
+            mismatched.append(f"lm_head (tied embeddings) {tuple(tied.shape)} vs "
+                              f"{tuple(own['lm.embed_tokens.weight'].shape)}")
+        else:
+            out["lm.embed_tokens.weight"] = fitted
+    missing = [k for k in own if k not in out and k not in seen and not k.startswith(_OWN)]
+    if missing or unexpected or mismatched:
+        parts = [f"{label} ({len(items)}): {', '.join(items[:4])}{', ...' if len(items) > 4 else ''}"
+                 for label, items in (("missing", missing), ("unexpected", unexpected),
+                                      ("shape mismatches", mismatched)) if items]
+        hint = " (pi0.5 checkpoints, with time_mlp_* and adaRMS norms, are not supported)" \
+            if any("time_mlp_in" in k and "action_time" not in k for k in unexpected) else ""
+        raise CheckpointError("pi0 checkpoint does not fit pi0_vla: " + "; ".join(parts) + hint)
+    return out
+
+
+def load_pi0_checkpoint(model: nn.Module, path: str | Path) -> None:
+    """Read ``path`` (a directory with ``model.safetensors``, or the file) into ``model``."""
+    from safetensors.torch import load_file
+
+    file = checkpoint_file(path)
+    converted = convert_state_dict(load_file(str(file)), model)
+    with torch.no_grad():
+        own = model.state_dict()
+        for name, value in converted.items():
+            own[name].copy_(value.to(own[name].dtype))

@@ -1,0 +1,414 @@
+"""Pi0VLA: a pi0-style flow-matching VLA: a PaliGemma-shaped prefix and an action expert.
+
+The prefix: a SigLIP vision tower (``transformers``) turns each camera image into patch
+embeddings, a linear projector maps them to the language model's width, and the embedded
+instruction (scaled by ``sqrt(width)``) follows. A Gemma-shaped decoder runs over them,
+bidirectionally (pi0's prefix block), once per decision, keeping each layer's keys and values
+(:class:`PrefixCache`). The action expert (:class:`Pi0Expert`, the flow head's velocity
+model) is a second, narrower Gemma-shaped transformer with as many layers: its tokens are the
+state and the ``K`` noisy actions (each mixed with the flow time by ``action_time_mlp``), and at
+every layer its queries attend over ``concat(prefix K/V of that layer, its own K/V)`` under
+pi0's block-causal mask: the prefix sees only itself, the state sees the prefix and itself,
+the actions see everything. So the two must share ``head_dim`` and ``kv_heads``.
+
+* ``size``: ``tiny`` (trains on a CPU) or ``3b`` (pi0's shapes: SigLIP-So400m, Gemma-2B with
+  PaliGemma's vocabulary and an 18-layer, 1024-wide expert: 3.2B parameters). ``vision``,
+  ``lm`` and ``expert`` override single fields.
+* The denoising chain runs :mod:`dvla.heads.flow` (noise at every step, exact log-probs).
+  The prefix is computed once per decision; the rollout's steps and the learner's scoring
+  reuse its cache. Flow time and velocity follow pi0's convention inside the expert (its time
+  is ``1 - t`` and its velocity the negative), so converted checkpoints keep their meaning.
+* ``pretrained_path``: a pi0 checkpoint (``model.safetensors`` in openpi's or LeRobot's
+  PyTorch layout, or the file itself), mapped by :mod:`dvla.models.pi0_convert`; a
+  ``tokenizer.json`` beside it replaces the built-in tokenizer. Nothing is downloaded.
+* ``lora_rank > 0``: peft LoRA adapters on the prefix LM's projections (and the expert's with
+  ``lora_expert``); the base weights freeze.
+* ``shard_units()``: the vision tower's layers, the prefix LM's and the expert's, one FSDP unit
+  each; a unit uses its weights only in its own forward (the expert layers read the prefix's
+  keys and values as inputs).
+
+Needs the ``[vla]`` extra (``transformers``, ``tokenizers``, ``peft`` for LoRA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dvla.heads.flow import FlowMatchingHead
+from dvla.models.token_vla import TokenVLA
+from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, register_policy
+from dvla.types import Observation
+
+_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+               patch_size=14, image_size=224)
+SIZES: dict[str, dict[str, dict]] = {
+    "tiny": {"vision": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            patch_size=8, image_size=32),
+             "lm": dict(width=64, mlp=128, layers=2, heads=4, kv_heads=1, head_dim=16, vocab_size=0),
+             "expert": dict(width=32, mlp=64, heads=2)},
+    "3b": {"vision": _SO400M,
+           "lm": dict(width=2048, mlp=16384, layers=18, heads=8, kv_heads=1, head_dim=256, vocab_size=257152),
+           "expert": dict(width=1024, mlp=4096, heads=8)},
+}
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("policy pi0_vla needs the `transformers` package: pip install 'dvla[vla]'") from exc
+    return transformers
+
+
+# -- Gemma-shaped blocks (parameter names as in transformers' Gemma, which the converter relies on) ------------
+
+class RMSNorm(nn.Module):
+    """Gemma's RMS norm: ``x / rms(x) * (1 + weight)``, computed in fp32."""
+
+    def __init__(self, width: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
+        return y.type_as(x)
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q_proj = nn.Linear(width, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, width, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, width: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(width, hidden, bias=False)
+        self.up_proj = nn.Linear(width, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, width, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+def rope(positions: Tensor, head_dim: int, theta: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """Rotary embedding tables for ``positions`` ``(B, S)``: cos and sin, ``(B, 1, S, head_dim)``."""
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    ang = positions.float()[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)[:, None]
+    return ang.cos(), ang.sin()
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat([-b, a], dim=-1) * sin).to(x.dtype)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention of ``q`` ``(B, H, S, hd)`` over ``k, v`` ``(B, KV, L, hd)`` (GQA) where ``mask``
+    ``(B, S, L)`` is true."""
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def block_mask(pad: Tensor, blocks: Tensor) -> Tensor:
+    """pi0's block-causal mask ``(B, S, S)``: token ``q`` sees token ``k`` when ``k`` is valid
+    (``pad``, ``(B, S)``) and its block (``blocks``, ``(S,)``, non-decreasing) is not after ``q``'s.
+    Every token sees itself, so that a padding token's row is not empty."""
+    see = (blocks[None, :] <= blocks[:, None])[None] & pad[:, None, :]
+    return see | torch.eye(pad.shape[1], dtype=torch.bool, device=pad.device)
+
+
+class GemmaBlock(nn.Module):
+    """One Gemma decoder layer. ``forward(h, mask, cos, sin, past)`` returns the new hidden
+    states and this layer's own keys and values (after RoPE); ``past`` (keys, values) of
+    earlier tokens (the prefix's, for an expert layer) are attended before its own."""
+
+    def __init__(self, width: int, mlp: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(width)
+        self.self_attn = _Attention(width, heads, kv_heads, head_dim)
+        self.post_attention_layernorm = RMSNorm(width)
+        self.mlp = _MLP(width, mlp)
+
+    def qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        a, (b, s) = self.self_attn, h.shape[:2]
+        n = self.input_layernorm(h)
+        q = a.q_proj(n).reshape(b, s, a.heads, a.head_dim).transpose(1, 2)
+        k = a.k_proj(n).reshape(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
+        v = a.v_proj(n).reshape(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def finish(self, h: Tensor, att: Tensor) -> Tensor:
+        """The attention output ``(B, H, S, hd)`` through ``o_proj``, the residuals and the MLP."""
+        h = h + self.self_attn.o_proj(att.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1)).to(h.dtype)
+        return h + self.mlp(self.post_attention_layernorm(h)).to(h.dtype)
+
+    def forward(self, h: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
+                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = self.qkv(h, cos, sin)
+        keys, values = (torch.cat([past[0], k.to(past[0].dtype)], 2), torch.cat([past[1], v.to(past[1].dtype)], 2)) \
+            if past is not None else (k, v)
+        return self.finish(h, attend(q, keys, values, mask)), k, v
+
+
+class GemmaLM(nn.Module):
+    """The prefix language model: token embeddings, layers and the final norm (named as in
+    transformers' ``GemmaModel``)."""
+
+    def __init__(self, vocab: int, width: int, mlp: int, layers: int, heads: int, kv_heads: int, head_dim: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, width)
+        nn.init.normal_(self.embed_tokens.weight, std=width ** -0.5)
+        self.layers = nn.ModuleList(GemmaBlock(width, mlp, heads, kv_heads, head_dim) for _ in range(layers))
+        self.norm = RMSNorm(width)
+
+
+# -- the action expert: the flow head's velocity model ---------------------------------------------------------
+
+@dataclass
+class PrefixCache:
+    """What the expert reads, computed once per decision: each prefix layer's keys and values
+    ``(B, kv_heads, L, head_dim)``, the prefix's valid tokens ``(B, L)`` and the state ``(B, P)``."""
+
+    keys: tuple[Tensor, ...]
+    values: tuple[Tensor, ...]
+    mask: Tensor
+    state: Tensor
+
+
+def time_embedding(tau: Tensor, width: int, min_period: float = 4e-3, max_period: float = 4.0) -> Tensor:
+    """pi0's sine-cosine embedding of its flow time ``tau`` ``(B,)``: ``(B, width)``."""
+    frac = torch.linspace(0.0, 1.0, width // 2, device=tau.device, dtype=torch.float64)
+    period = min_period * (max_period / min_period) ** frac
+    ang = (2 * math.pi / period)[None] * tau.double()[:, None]
+    return torch.cat([ang.sin(), ang.cos()], dim=1).float()
+
+
+class Pi0Expert(nn.Module):
+    """``v(x, t, cache)``: the velocity of the noisy chunk ``x`` ``(B, K, D)`` at flow time ``t``
+    ``(B,)`` given a :class:`PrefixCache`."""
+
+    def __init__(self, layers: int, width: int, mlp: int, heads: int, kv_heads: int, head_dim: int,
+                 proprio_dim: int, action_dim: int):
+        super().__init__()
+        self.layers = nn.ModuleList(GemmaBlock(width, mlp, heads, kv_heads, head_dim) for _ in range(layers))
+        self.norm = RMSNorm(width)
+        self.head_dim = head_dim
+        self.state_proj = nn.Linear(proprio_dim, width)
+        self.action_in_proj = nn.Linear(action_dim, width)
+        self.action_time_mlp_in = nn.Linear(2 * width, width)
+        self.action_time_mlp_out = nn.Linear(width, width)
+        self.action_out_proj = nn.Linear(width, action_dim)
+        nn.init.normal_(self.action_out_proj.weight, std=0.01)
+        nn.init.zeros_(self.action_out_proj.bias)
+
+    def embed_suffix(self, x: Tensor, t: Tensor, state: Tensor) -> Tensor:
+        """The state token and the K action tokens (pi0's time runs from 1, noise, to 0)."""
+        a = self.action_in_proj(x)
+        temb = time_embedding(1.0 - t, a.shape[-1]).to(a.dtype)[:, None].expand_as(a)
+        a = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, temb], dim=-1))))
+        return torch.cat([self.state_proj(state).to(a.dtype)[:, None], a], dim=1)
+
+    def velocity(self, out: Tensor) -> Tensor:
+        """The action tokens' outputs -> the velocity in dvla's time (pi0's, negated)."""
+        return -self.action_out_proj(self.norm(out[:, 1:])).float()
+
+    @staticmethod
+    def suffix_blocks(k: int, device) -> Tensor:
+        return torch.tensor([1] + [2] * k, device=device)
+
+    def forward(self, x: Tensor, t: Tensor, cache: PrefixCache) -> Tensor:
+        h = self.embed_suffix(x, t, cache.state)
+        b, s, L = h.shape[0], h.shape[1], cache.mask.shape[1]
+        pos = cache.mask.sum(1, keepdim=True) + torch.arange(s, device=h.device)
+        cos, sin = rope(pos, self.head_dim)
+        own = block_mask(torch.ones(b, s, dtype=torch.bool, device=h.device), self.suffix_blocks(s - 1, h.device))
+        mask = torch.cat([cache.mask[:, None, :].expand(b, s, L), own], dim=2)
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
+            h, _, _ = layer(h, mask, cos, sin, past=(keys, values))
+        return self.velocity(h)
+
+
+# -- the policy --------------------------------------------------------------------------------------------------
+
+@register_policy("pi0_vla")
+class Pi0VLA(VLAPolicy):
+    @dataclass(kw_only=True)
+    class Config:
+        size: Literal["tiny", "3b"] = "tiny"
+        """Named shapes (see the module docstring)."""
+        vision: dict = field(default_factory=dict)
+        """Overrides of the SiglipVisionConfig fields (e.g. ``image_size``)."""
+        lm: dict = field(default_factory=dict)
+        """Overrides of the prefix LM's shape: width, mlp, layers, heads, kv_heads, head_dim, vocab_size."""
+        expert: dict = field(default_factory=dict)
+        """Overrides of the expert's shape: width, mlp, heads (it shares layers, kv_heads, head_dim)."""
+        flow_steps: int = 10
+        """Denoising steps (pi0: 10)."""
+        init_log_sigma: float = -1.0
+        """Initial log std of the noise injected at every step."""
+        tokenizer: str = "builtin"
+        """``builtin`` or a local tokenizer.json."""
+        max_tokens: int = 24
+        """Instruction tokens per episode, at most."""
+        pretrained_path: str | None = None
+        """A pi0 checkpoint: a directory with model.safetensors, or the file (see pi0_convert)."""
+        lora_rank: int = 0
+        """LoRA rank on the prefix LM's projections (0: full fine-tuning)."""
+        lora_alpha: float = 16.0
+        lora_targets: list = field(default_factory=lambda: ["q_proj", "v_proj"])
+        lora_expert: bool = False
+        """Adapters on the expert's layers too (their base weights freeze)."""
+        value_head: bool = False
+        """A value MLP on the pooled prefix (PPO); GRPO needs none."""
+        cameras: list | None = None
+        """Further cameras to read besides the main one (names from the env); None: all of them."""
+
+        def _validate(self) -> list[tuple[str, str]]:
+            errs = []
+            for name in ("flow_steps", "max_tokens"):
+                if getattr(self, name) < 1:
+                    errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
+            if self.lora_rank < 0:
+                errs.append(("lora_rank", f"must be >= 0, got {self.lora_rank}"))
+            if self.tokenizer != "builtin" and not Path(self.tokenizer).is_file():
+                errs.append(("tokenizer", f"`builtin` or a tokenizer.json file, got {self.tokenizer!r}"))
+            if self.pretrained_path is not None and not Path(self.pretrained_path).exists():
+                errs.append(("pretrained_path", f"no such file or directory: {self.pretrained_path!r}"))
+            for name, allowed in (("lm", SIZES["tiny"]["lm"]), ("expert", SIZES["tiny"]["expert"])):
+                unknown = sorted(set(getattr(self, name)) - set(allowed))
+                if unknown:
+                    errs.append((name, f"unknown fields {unknown}; allowed: {sorted(allowed)}"))
+            return errs
+
+    def __init__(self, spec: PolicySpec, config: "Pi0VLA.Config"):
+        super().__init__(spec=spec, config=config)
+        tf = _transformers()
+        ckpt = Path(config.pretrained_path) if config.pretrained_path else None
+        self.cameras_used = tuple(name for name, _ in spec.cameras) if config.cameras is None else tuple(config.cameras)
+        self.tokenizer = TokenVLA._make_tokenizer(config, ckpt if ckpt is None or ckpt.is_dir() else ckpt.parent)
+        lm = {**SIZES[config.size]["lm"], **config.lm}
+        ex = {**SIZES[config.size]["expert"], **config.expert}
+        if lm["heads"] % lm["kv_heads"] or ex["heads"] % lm["kv_heads"]:
+            raise ValueError(f"pi0_vla: the prefix's heads ({lm['heads']}) and the expert's ({ex['heads']}) must be "
+                             f"multiples of kv_heads ({lm['kv_heads']}), which they share")
+        self.vision = tf.SiglipVisionModel(tf.SiglipVisionConfig(**{
+            **SIZES[config.size]["vision"], "num_channels": spec.image_shape[0], "vision_use_head": False,
+            **config.vision}))
+        self.image_size = self.vision.config.image_size
+        self.projector = nn.Linear(self.vision.config.hidden_size, lm["width"])
+        vocab = max(self.tokenizer.vocab_size, lm["vocab_size"])
+        self.lm = GemmaLM(vocab, lm["width"], lm["mlp"], lm["layers"], lm["heads"], lm["kv_heads"], lm["head_dim"])
+        expert = Pi0Expert(lm["layers"], ex["width"], ex["mlp"], ex["heads"], lm["kv_heads"], lm["head_dim"],
+                           spec.proprio_dim, spec.action_dim)
+        self.action_head = FlowMatchingHead(expert, spec.action_chunk, spec.action_dim, steps=config.flow_steps,
+                                            init_log_sigma=config.init_log_sigma)
+        self.value_mlp = nn.Sequential(nn.Linear(lm["width"], lm["width"]), nn.Tanh(), nn.Linear(lm["width"], 1)) \
+            if config.value_head else None
+        self.has_value_head = config.value_head
+        if ckpt is not None:
+            from dvla.models.pi0_convert import load_pi0_checkpoint
+
+            load_pi0_checkpoint(self, ckpt)
+        if config.lora_rank > 0:
+            self._add_lora(config)
+
+    @property
+    def expert(self) -> Pi0Expert:
+        return self.action_head.velocity_model
+
+    def _add_lora(self, config: "Pi0VLA.Config") -> None:
+        try:
+            import peft
+        except ImportError as exc:
+            raise ImportError("pi0_vla lora_rank > 0 needs the `peft` package: pip install 'dvla[vla]'") from exc
+        lora = peft.LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, bias="none",
+                               target_modules=list(config.lora_targets))
+        peft.inject_adapter_in_model(lora, self.lm)  # freezes the LM's base weights
+        if config.lora_expert:
+            peft.inject_adapter_in_model(lora, self.expert.layers)
+
+    def shard_units(self) -> list[nn.Module]:
+        """The vision tower's layers, then the prefix LM's, then the expert's: one FSDP unit each."""
+        return [m for m in self.modules() if isinstance(m, GemmaBlock) or type(m).__name__.endswith("EncoderLayer")]
+
+    def rollout_extras(self):
+        return self.action_head.rollout_extras()  # the denoising chain
+
+    def _pixels(self, image: Tensor) -> Tensor:
+        x = image.float() * (1.0 / 255.0)
+        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
+            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
+        return (x - 0.5) / 0.5
+
+    def preprocess(self, obs: Observation) -> Observation:
+        """Every camera -> the vision tower's input size, scaled to [-1, 1] (SigLIP's)."""
+        return dataclasses.replace(obs, image=self._pixels(obs.image),
+                                   cameras={k: self._pixels(v) for k, v in obs.cameras.items()})
+
+    def embed_prefix(self, obs: Observation) -> tuple[Tensor, Tensor]:
+        """The prefix's embeddings ``(B, L, W)``, image patches of every camera then the
+        instruction, and its valid tokens ``(B, L)``."""
+        views, b = list(obs.images.values()), obs.batch_size
+        patches = self.projector(self.vision(pixel_values=torch.cat(views)).last_hidden_state)
+        img = patches.reshape(len(views), b, patches.shape[1], -1).transpose(0, 1).reshape(b, -1, patches.shape[-1])
+        text = self.lm.embed_tokens(obs.instruction_ids) * math.sqrt(self.lm.embed_tokens.embedding_dim)
+        mask = torch.cat([torch.ones(img.shape[:2], dtype=torch.bool, device=img.device),
+                          obs.instruction_mask.bool()], dim=1)
+        return torch.cat([img, text.to(img.dtype)], dim=1), mask
+
+    def encode_prefix(self, obs: Observation) -> tuple[PrefixCache, Tensor]:
+        """One pass of the prefix (bidirectional within it): its cache and last hidden states."""
+        h, mask = self.embed_prefix(obs)
+        cos, sin = rope(mask.long().cumsum(1) - 1, self.lm.layers[0].self_attn.head_dim)
+        full = block_mask(mask, torch.zeros(mask.shape[1], dtype=torch.long, device=mask.device))
+        keys, values = [], []
+        for layer in self.lm.layers:
+            h, k, v = layer(h, full, cos, sin)
+            keys.append(k)
+            values.append(v)
+        return PrefixCache(tuple(keys), tuple(values), mask, obs.proprio.float()), h
+
+    def forward(self, obs: Observation) -> PolicyOutput:
+        cache, h = self.encode_prefix(obs)
+        value = None
+        if self.value_mlp is not None:
+            m = cache.mask.unsqueeze(-1).to(h.dtype)
+            value = self.value_mlp((self.lm.norm(h) * m).sum(1) / m.sum(1)).squeeze(-1).float()
+        return PolicyOutput(dist=self.action_head(cache, batch_size=obs.batch_size), value=value)
+
+    def joint_velocity(self, obs: Observation, x: Tensor, t: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """The velocity from one pass over the whole sequence (prefix, state, actions) under the
+        block-causal mask, as pi0 trains, without a cache: a reference for the cached path
+        (it uses a prefix layer and an expert layer together, so it is no FSDP path). Returns
+        the velocity and each layer's prefix keys."""
+        hp, pmask = self.embed_prefix(obs)
+        hs = self.expert.embed_suffix(x, t, obs.proprio.float())
+        L, s = hp.shape[1], hs.shape[1]
+        pad = torch.cat([pmask, torch.ones(hs.shape[:2], dtype=torch.bool, device=hs.device)], dim=1)
+        blocks = torch.cat([torch.zeros(L, dtype=torch.long, device=pad.device),
+                            Pi0Expert.suffix_blocks(s - 1, pad.device)])
+        mask = block_mask(pad, blocks)
+        cos, sin = rope(pad.long().cumsum(1) - 1, self.expert.head_dim)
+        keys = []
+        for pl, el in zip(self.lm.layers, self.expert.layers):
+            qp, kp, vp = pl.qkv(hp, cos[:, :, :L], sin[:, :, :L])
+            qs, ks, vs = el.qkv(hs, cos[:, :, L:], sin[:, :, L:])
+            k, v = torch.cat([kp, ks.to(kp.dtype)], 2), torch.cat([vp, vs.to(vp.dtype)], 2)
+            hp, hs = pl.finish(hp, attend(qp, k, v, mask[:, :L])), el.finish(hs, attend(qs, k, v, mask[:, L:]))
+            keys.append(kp)
+        return self.expert.velocity(hs), keys
