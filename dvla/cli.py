@@ -7,6 +7,8 @@
     dvla eval [RUN_DIR] --suite libero_spatial   success per task over the suite's fixed initial states
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
     dvla plan --params token_vla:size=7b         ... for a registered policy's parameter count
+    dvla check-policy [--import FILE.py] policy.name=NAME [policy.options.KEY=VALUE ...]
+                                                 whether a policy keeps dvla's contract, check by check
     dvla config-ref [--write [FILE]]             the configuration reference, from the code
                                                  (--write: into docs/configuration.md)
     dvla bench [NAME [ARGS ...]]                 list the benchmarks, or run bench/NAME.py
@@ -90,6 +92,7 @@ COMMANDS = {
     "trace": "lane utilisation and a Gantt chart of a run",
     "eval": "success per task of a run's policy on a benchmark suite (LIBERO)",
     "plan": "placement and modelled weight-broadcast cost on a cluster",
+    "check-policy": "whether a policy (--import FILE.py policy.name=NAME) keeps dvla's contract",
     "config-ref": "the configuration reference, generated from the code",
     "bench": "list the benchmarks in bench/, or run one",
     "keys": "make persistent CurveZMQ client keys, one per rank (data_plane.curve_keys_dir)",
@@ -99,7 +102,7 @@ COMMANDS = {
 def usage() -> str:
     lines = ["usage: dvla COMMAND [ARGS ...]", "", "commands:"]
     for cmd, what in COMMANDS.items():
-        lines.append(f"  dvla {cmd:<11} {what}")
+        lines.append(f"  dvla {cmd:<12} {what}")
     lines += ["", "dvla COMMAND --help shows a command's options. report, trace and eval take the newest run under",
               "runs/ when no RUN_DIR is given. Quick start:",
               "  dvla train --preset fast_reach      # writes runs/fast_reach/<time>, runs/fast_reach/latest",
@@ -222,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
         return evaluate(resolved)
     if cmd == "keys":
         return keys_main(rest)
+    if cmd == "check-policy":
+        from dvla.contract import main as check_policy
+
+        return check_policy(rest)
     if cmd == "config-ref":
         from dvla.config_doc import main as config_ref
 

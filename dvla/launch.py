@@ -29,6 +29,7 @@ from typing import Any, NoReturn
 
 from dvla.config import ConfigError, apply_overrides, load_yaml
 from dvla.distributed import init_from_env, shutdown, uses_nccl
+from dvla.logs import setup_logging
 from dvla.presets import DEFAULT_PRESET, PRESETS, get_preset
 from memory import runtime
 
@@ -124,43 +125,6 @@ def rank_plans(cfg, which: str = "all") -> str:
     if bad:
         raise ConfigError(f"--print-rank: no rank {bad[0]} in a world of {world}")
     return "\n".join(format_plan(plans[r]) for r in ranks)
-
-
-# -- logging ---------------------------------------------------------------------------------
-
-
-class _Formatter(logging.Formatter):
-    """``[dvla] message``; warnings and errors say so; other ranks name themselves; loggers
-    outside dvla are named."""
-
-    def __init__(self, rank: int):
-        super().__init__()
-        self.tag = "dvla" if rank == 0 else f"dvla rank {rank}"
-
-    def format(self, record: logging.LogRecord) -> str:
-        level = "" if record.levelno == logging.INFO else f"{record.levelname.lower()}: "
-        name = "" if record.name == "dvla" or record.name.startswith("dvla.") else f"{record.name}: "
-        text = f"[{self.tag}] {level}{name}{record.getMessage()}"
-        if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
-        return text
-
-
-def setup_logging(rank: int = 0, verbose: bool = False) -> None:
-    """dvla's loggers at INFO on rank 0 and WARNING on the others (DEBUG everywhere with
-    ``verbose``), other libraries' at ERROR (WARNING with ``verbose``), one concise line
-    each on stderr."""
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        if getattr(h, "_dvla", False):
-            root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter(rank))
-    handler._dvla = True  # type: ignore[attr-defined]
-    root.addHandler(handler)
-    root.setLevel(logging.WARNING if verbose else logging.ERROR)
-    logging.getLogger("dvla").setLevel(logging.DEBUG if verbose else logging.INFO if rank == 0 else logging.WARNING)
-    logging.captureWarnings(verbose)
 
 
 # -- run directory ---------------------------------------------------------------------------

@@ -34,6 +34,25 @@ log = logging.getLogger("dvla")
 GROUPS = ("dvla.policies", "dvla.envs")
 
 
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` in one line, and of its innermost cause where it has one:
+    a library that re-raises (transformers' lazy imports) hides the root cause, e.g. a
+    torchvision build that does not match torch, behind its own message."""
+    def one(e: BaseException) -> str:
+        message = " ".join(str(e).split())
+        return f"{type(e).__name__}: {message}" if message else type(e).__name__
+
+    inner, seen = exc, {id(exc)}
+    while True:
+        nxt = inner.__cause__ if inner.__cause__ is not None else (
+            None if inner.__suppress_context__ else inner.__context__)
+        if nxt is None or id(nxt) in seen:
+            break
+        inner = nxt
+        seen.add(id(inner))
+    return one(exc) if inner is exc else f"{one(exc)} (root cause: {one(inner)})"
+
+
 def import_plugin(name: str) -> None:
     """Import ``name``: a dotted module name, or the path of a ``.py`` file."""
     try:
@@ -45,11 +64,15 @@ def import_plugin(name: str) -> None:
             spec = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(spec)
             sys.modules[module_name] = module
-            spec.loader.exec_module(module)
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                sys.modules.pop(module_name, None)  # not a half-run module that a retry would find
+                raise
         else:
             importlib.import_module(name)
     except Exception as exc:  # the user's code: any error, said in one line
-        raise ConfigError(f"--import {name}: {type(exc).__name__}: {exc}") from exc
+        raise ConfigError(f"--import {name}: {describe(exc)}") from exc
 
 
 def load_entry_points() -> list[str]:
@@ -60,7 +83,7 @@ def load_entry_points() -> list[str]:
             try:
                 obj = ep.load()
             except Exception as exc:
-                raise ConfigError(f"entry point {group}:{ep.name} ({ep.value}): {type(exc).__name__}: {exc}") from exc
+                raise ConfigError(f"entry point {group}:{ep.name} ({ep.value}): {describe(exc)}") from exc
             if group == "dvla.policies":
                 if not (isinstance(obj, type) and issubclass(obj, VLAPolicy)):
                     raise ConfigError(f"entry point {group}:{ep.name} ({ep.value}) is not a VLAPolicy subclass")

@@ -145,11 +145,14 @@ class VLAPolicy(nn.Module, ABC):
     def estimate_value(self, obs: Observation) -> Tensor | None:
         """A value estimate ``(B,)`` from a separate module, for a policy whose ``forward``
         returns none (``has_value_head = True`` still says PPO may use it). Called with the
-        prepared observation; ``forward``'s own value, when it gives one, wins."""
+        prepared observation, before ``forward``'s own value: when it gives one, that is the
+        value, and :meth:`value` (the rollouts' bootstrap) runs no forward pass. None (the
+        default): ``forward``'s value."""
         return None
 
     def _value(self, out: PolicyOutput, obs: Observation) -> Tensor | None:
-        return out.value if out.value is not None else self.estimate_value(obs)
+        value = self.estimate_value(obs)
+        return value if value is not None else out.value
 
     def optim_groups(self) -> list[dict] | None:
         """Parameter groups for the optimizer, as ``torch.optim`` takes them (e.g. a lower
@@ -249,9 +252,13 @@ class VLAPolicy(nn.Module, ABC):
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor:
+        """Value estimates ``(B,)`` (zeros without a value head): :meth:`estimate_value`'s
+        where it gives them (no forward pass), else ``forward``'s."""
         obs = self.preprocess(self.prepare(obs))
         with self._autocast():
-            value = self._value(self(obs), obs)
+            value = self.estimate_value(obs)
+            if value is None:
+                value = self(obs).value
         return value if value is not None else torch.zeros(obs.batch_size, device=self.device)
 
 

@@ -74,6 +74,7 @@ def test_a_startup_failure_discards_the_new_run_and_resume_takes_the_newest_with
     (newer / "config.yaml").write_text("{}\n")
     point_latest(base, newer)
     cfg = apply_overrides(debug(), [f"run.out_dir={base}", "run.resume=true"])
+    logging.getLogger("dvla").addHandler(caplog.handler)  # train() gave dvla a handler of its own
     with caplog.at_level(logging.INFO, logger="dvla"):
         run, resumed, _ = launch._choose_run_dir(cfg, 0)
     assert run == old and resumed
@@ -208,6 +209,7 @@ def test_resume_refuses_what_cannot_continue_and_logs_what_changed():
     assert check_resume_config(old, new(), done=2) == []
 
 
+@pytest.mark.slow
 def test_resume_with_another_env_count_is_one_line(tmp_path):
     first = launch_proc("--preset", "debug", "run.iterations=2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -297,6 +299,7 @@ def test_autotune_reads_on_past_the_trace_window():
 # -- 10: preemption -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_exits_0_and_resume_continues(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dvla.launch", "--preset", "debug", "run.iterations=100000",

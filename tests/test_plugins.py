@@ -18,6 +18,8 @@ from dvla.metrics import read_metrics
 REPO = Path(__file__).resolve().parent.parent
 
 PLUGIN = '''
+import logging
+
 from dvla.envs import register_env
 from dvla.models.tiny_vla import TinyVLA
 from dvla.policy import register_policy
@@ -35,6 +37,9 @@ class EntryVLA(TinyVLA):
 def make_env(cfg, device, seed):
     from dvla.envs import ENV_REGISTRY
     return ENV_REGISTRY["fast_reach"](cfg, device, seed)
+
+
+logging.basicConfig(level=logging.INFO)  # a library that configures the root logger (lerobot does)
 '''
 
 
@@ -58,6 +63,7 @@ def run(cmd, cwd, extra_path, timeout=240):
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_an_imported_policy_trains_under_torchrun(plugin_dir, tmp_path):
     out = tmp_path / "runs"
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
@@ -70,11 +76,43 @@ def test_an_imported_policy_trains_under_torchrun(plugin_dir, tmp_path):
 
 
 def test_entry_points_register_without_any_flag(plugin_dir, tmp_path):
+    """... and dvla's log lines come once each, in its format, though the plugin configured the
+    root logger (``logging.basicConfig``)."""
     out = tmp_path / "runs"
     proc = run([sys.executable, "-m", "dvla.launch", "--preset", "debug", "policy.name=entry_vla",
                 "env.name=entry_env", "run.iterations=2", f"run.out_dir={out}", "run.name=e"], tmp_path, plugin_dir)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads((out / "e" / "summary.json").read_text())["version"] == 2
+    said = [ln for ln in proc.stderr.splitlines() if "run directory:" in ln]
+    assert said == [f"[dvla] run directory: {out / 'e'}"] and "INFO:dvla" not in proc.stderr, proc.stderr
+
+
+def test_an_import_error_says_its_root_cause(tmp_path, capsys):
+    """transformers re-raises a failed lazy import as ``Could not import module 'LlamaConfig'``;
+    the cause (say, a torchvision build that does not match torch) is what to fix."""
+    from dvla.cli import main
+    from dvla.config import ConfigError
+    from dvla.plugins import import_plugin
+
+    plugin = tmp_path / "chained.py"
+    plugin.write_text(textwrap.dedent('''
+        def load():
+            raise RuntimeError("operator torchvision::nms\\ndoes not exist")
+        try:
+            try:
+                load()
+            except RuntimeError as exc:
+                raise RuntimeError("Failed to import transformers.models.llama") from exc
+        except RuntimeError:
+            raise ModuleNotFoundError("Could not import module 'LlamaConfig'")
+    '''))
+    want = (f"--import {plugin}: ModuleNotFoundError: Could not import module 'LlamaConfig' "
+            "(root cause: RuntimeError: operator torchvision::nms does not exist)")
+    with pytest.raises(ConfigError) as err:
+        import_plugin(str(plugin))
+    assert str(err.value) == want and "dvla_plugin_chained" not in sys.modules
+    assert main(["check-policy", "--import", str(plugin)]) == 2
+    assert capsys.readouterr().err == f"dvla check-policy: error: {want}\n"
 
 
 def test_a_file_import_and_the_dvla_command(plugin_dir, tmp_path):
