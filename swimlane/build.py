@@ -204,7 +204,8 @@ def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Gr
         # Replicas in another precision than the learner's: every step's proximal log-prob is
         # recomputed, so the clipped ratio is 1 at unchanged weights (dvla/algos/base.py).
         behaviour = torch.bfloat16 if plan.publish_dtype == "bf16" else torch.float32
-        algo = build_algorithm(cfg.algo, policy, sync, behaviour_dtype=behaviour)
+        algo = build_algorithm(cfg.algo, policy, sync, behaviour_dtype=behaviour, horizon=cfg.run.iterations,
+                               group=groups.learner if sync is not None else None)
         if pooled:
             memory.persistent.adopt_optimizer(algo.optimizer)
         learn_gen = torch.Generator().manual_seed(seed + 2)

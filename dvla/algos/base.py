@@ -43,11 +43,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from dvla.algos.guards import kl_over_group, lr_factor
 from dvla.algos.losses import clipped_policy_loss, masked_mean
-from dvla.config import AlgoConfig
+from dvla.algos.optim import all_reduce_small, collective_device, param_groups
+from dvla.config import AlgoConfig, ConfigError
 from dvla.policy import VLAPolicy
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
-from memory import runtime
+
+__all__ = ["Algorithm", "GradSync", "collective_device", "extras_of", "obs_of", "param_groups"]
 
 _PROXIMAL_INPUTS = ("image", "proprio", "ids", "ids_mask", "actions", "action_valid", "behav_logp")
 
@@ -66,55 +69,10 @@ def extras_of(mb: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k[n:]: v for k, v in mb.items() if k.startswith(EXTRAS_PREFIX)}
 
 
-def collective_device(backend: str, device: torch.device) -> torch.device:
-    """Where a small tensor of a collective on a group of ``backend`` (``dist.get_backend``)
-    goes: the CPU where the group takes CPU tensors (gloo; ``cpu:gloo,cuda:nccl``, the default
-    group's backends on CUDA, sends them over gloo), else ``device``, the learner's (NCCL alone
-    takes CUDA tensors only: a CPU tensor fails there with "No backend type associated with
-    device type cpu"). A ValueError where the group takes neither."""
-    takes = dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()
-    if "cpu" in takes:
-        return torch.device("cpu")
-    if device.type in takes:
-        return device
-    raise ValueError(f"a process group of backend {backend!r} takes tensors on {', '.join(takes)} only, "
-                     f"neither on the CPU nor on the learner's {device}")
-
-
 GradSync = Callable[..., int]
 """``sync(params, contributes=...)``: average the gradients over the learners (in place);
 returns how many were averaged over (0: skip the step). ``contributes`` is false where this
 learner has no samples in the step (:func:`dvla.distributed.allreduce_mean_grads`)."""
-
-
-def param_groups(policy: VLAPolicy) -> list[dict]:
-    """The optimizer's parameter groups: the policy's ``optim_groups()`` (per-module learning
-    rates, weight decay), or one group of every trainable parameter. Frozen parameters
-    (``requires_grad=False``) are left out; a trainable one in no group, or in two, is an
-    error (it would silently never learn, or learn twice)."""
-    declared = policy.optim_groups()
-    if declared is None:
-        return [{"params": [p for p in policy.parameters() if p.requires_grad]}]
-    trainable = {id(p): n for n, p in policy.named_parameters() if p.requires_grad}
-    seen: dict[int, int] = {}
-    groups = []
-    for gi, group in enumerate(declared):
-        if not isinstance(group, dict) or "params" not in group:
-            raise ValueError(f"{type(policy).__qualname__}.optim_groups(): group {gi} must be a dict with 'params'")
-        params = [p for p in group["params"] if p.requires_grad]
-        for p in params:
-            if id(p) in seen:
-                raise ValueError(f"{type(policy).__qualname__}.optim_groups(): parameter "
-                                 f"{trainable.get(id(p), '?')} is in groups {seen[id(p)]} and {gi}")
-            seen[id(p)] = gi
-        if params:
-            groups.append({**group, "params": params})
-    missing = [n for i, n in trainable.items() if i not in seen]
-    if missing:
-        raise ValueError(f"{type(policy).__qualname__}.optim_groups(): trainable parameter(s) in no group: "
-                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (freeze them with "
-                         f"requires_grad_(False), or add them)")
-    return groups
 
 
 class Algorithm(ABC):
@@ -135,6 +93,13 @@ class Algorithm(ABC):
         self._totals: tuple[float, float] | None = None  # (samples, counted entries) of the minibatch, when micro-batched
         self._passes = 1  # forward and backward passes per minibatch, on every rank (sharded)
         self._dummy: dict[str, Tensor] | None = None  # a row for the padding passes (sharded)
+        # The learners' group when several replicas average gradients (grad_sync): the target-KL
+        # stop is decided over it (or over shard_group). horizon: run.iterations, for the
+        # learning-rate schedules (dvla/algos/guards.py).
+        self.learner_group = None
+        self.horizon: int | None = None
+        self._updates = 0  # updates so far, where the caller gives no learner_version
+        self._stopping = False  # the target KL was crossed: skip the rest of the update
 
     @property
     def behaviour_exact(self) -> bool:
@@ -154,6 +119,34 @@ class Algorithm(ABC):
         self.params = [p for g in groups for p in g["params"]]
         opt = torch.optim.AdamW if self.cfg.weight_decay else torch.optim.Adam
         self.optimizer = opt(groups, lr=self.cfg.lr, eps=1e-5, weight_decay=self.cfg.weight_decay)
+        self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]  # what algo.lr_schedule scales
+
+    def schedule_lr(self, learner_version: int | None = None) -> float | None:
+        """Set the learning rate of the update about to run (``algo.lr_schedule``, ``lr_warmup``;
+        update ``learner_version``, else the count of updates so far); its factor, None where no
+        schedule is set (the rate stays as built)."""
+        u = self._updates if learner_version is None else learner_version
+        self._updates = u + 1
+        c = self.cfg
+        if c.lr_schedule == "constant" and not c.lr_warmup:
+            return None
+        horizon = c.lr_horizon or self.horizon
+        if not horizon and c.lr_schedule != "constant":
+            raise ConfigError(f"algo.lr_schedule: {c.lr_schedule} needs a horizon: algo.lr_horizon, or run.iterations "
+                              f"(given by the swimlane)")
+        f = lr_factor(c.lr_schedule, u, horizon or 0, c.lr_warmup)
+        for g, lr in zip(self.optimizer.param_groups, self._base_lrs):
+            g["lr"] = lr * f
+        return f
+
+    def _kl_crossed(self, kl: float, samples: float) -> bool:
+        """Whether the minibatch's approximate KL, averaged over the learner ranks, is above
+        ``algo.target_kl`` (a collective where there are several: every rank calls it at every
+        minibatch, with 0 samples where it has none). Sets ``_stopping``."""
+        if self.cfg.target_kl > 0:
+            group = self.shard_group if self.shard_group is not None else self.learner_group
+            self._stopping = kl_over_group(kl * samples, samples, group, self.policy.device) > self.cfg.target_kl
+        return self._stopping
 
     @abstractmethod
     def advantages(self, batch: RolloutBatch) -> tuple[Tensor, Tensor]:
@@ -225,14 +218,8 @@ class Algorithm(ABC):
         otherwise)."""
         if self.shard_group is None:
             return list(counts)
-        where = collective_device(dist.get_backend(self.shard_group), self.policy.device)
-        t = torch.tensor(counts, dtype=torch.int64, device=where)
-        if where.type == "cpu":
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
-        else:  # on the device runtime's communication stream (memory/runtime.py)
-            with runtime.current().collective():
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.shard_group)
-        return [int(c) for c in t.tolist()]
+        got = all_reduce_small(counts, torch.int64, self.shard_group, self.policy.device, dist.ReduceOp.MAX)
+        return [int(c) for c in got]
 
     def update(self, batch: RolloutBatch, generator: torch.Generator | None = None,
                learner_version: int | None = None) -> dict[str, float]:
@@ -247,6 +234,7 @@ class Algorithm(ABC):
         (:attr:`behaviour_exact`): then every step's proximal log-prob is recomputed.
         """
         device = self.policy.device
+        lr_f = self.schedule_lr(learner_version)
         batch = batch.to(device)
         adv, ret = self.advantages(batch)
         data = self._flatten(batch, adv, ret)
@@ -258,7 +246,7 @@ class Algorithm(ABC):
         recompute_all = not self.behaviour_exact  # bf16 replicas: no step has its proximal log-prob
         n_all, stale_all = self._agree(n, int(stale.sum()) if stale is not None else 0)
         if n_all == 0:
-            self.follow()
+            self._follow()
             return {"samples": 0.0}
         if self.shard_group is not None:  # every rank makes the passes of the largest share
             first = torch.zeros(1, dtype=torch.long, device=device)
@@ -294,8 +282,11 @@ class Algorithm(ABC):
                     data["prox_logp"] = prox
         self.policy.train(self.cfg.train_mode)  # eval by default: the rollouts' mode (algo.train_mode)
         sums: dict[str, float] = {}
-        count = 0
+        count = stepped = 0
+        self._stopping = False
         for _ in range(self.cfg.update_epochs):
+            if self._stopping:  # algo.target_kl: the rest of the update's epochs are skipped
+                break
             perm = torch.randperm(n, generator=generator).to(device)
             # Always ``minibatches`` steps per epoch (sizes differ by at most one), so that
             # learner ranks with different numbers of valid steps stay in lock-step in
@@ -303,15 +294,21 @@ class Algorithm(ABC):
             for idx in torch.tensor_split(perm, self.cfg.minibatches):
                 if idx.numel() == 0:
                     self._empty_step()
-                    continue
-                mb = {k: v[idx] for k, v in data.items()}
-                stats = self._step(mb)
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                count += 1
+                else:
+                    stats = self._step({k: v[idx] for k, v in data.items()})
+                    for k, v in stats.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    count += 1
+                if self._stopping:
+                    break
+                stepped += 1
         self.policy.eval()
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["samples"] = float(n)
+        if self.cfg.target_kl > 0:  # the step that crossed the target is not taken (its stats count)
+            out.update(kl_early_stop=float(self._stopping), minibatches_stepped=float(stepped))
+        if lr_f is not None:
+            out["lr"] = self.optimizer.param_groups[0]["lr"]
         if n == 0:  # a sharded learner whose share was empty: it made padding passes only
             return out
         out["adv_mean"] = float(adv[batch.valid].mean())
@@ -319,15 +316,23 @@ class Algorithm(ABC):
         out.update(extra)
         return out
 
-    def follow(self) -> None:
+    def follow(self, learner_version: int | None = None) -> None:
         """An update without samples, on a learner of several: take part in each of its
-        optimizer steps (``update_epochs`` x ``minibatches``) with no gradient of its own, and
-        apply the others' averaged gradient, so its weights and optimizer state stay those of
-        the learners that had samples (a learner that switches roles, ``swimlane.roles``)."""
+        optimizer steps (``update_epochs`` x ``minibatches``, fewer where the target KL stops
+        it) with no gradient of its own, and apply the others' averaged gradient at the same
+        learning rate, so its weights and optimizer state stay those of the learners that had
+        samples (a learner that switches roles, ``swimlane.roles``)."""
+        self.schedule_lr(learner_version)
+        self._follow()
+
+    def _follow(self) -> None:
         if self.grad_sync is None:
             return
+        self._stopping = False
         for _ in range(self.cfg.update_epochs * self.cfg.minibatches):
             self._empty_step()
+            if self._stopping:
+                break
 
     def _empty_step(self) -> None:
         """A minibatch with no samples (fewer valid steps than minibatches): contribute
@@ -340,6 +345,9 @@ class Algorithm(ABC):
         self._totals = None
         if self.shard_group is not None:
             self._pad(self._passes)
+        if self._kl_crossed(0.0, 0.0):
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         if self.grad_sync is not None and not self.grad_sync(self.params, contributes=False):
             self.optimizer.zero_grad(set_to_none=True)  # nobody had samples: no step
             return
@@ -407,6 +415,9 @@ class Algorithm(ABC):
                 sums[k] = sums.get(k, 0.0) + float(v)
         if self.shard_group is not None:
             self._pad(self._passes - -(-n // size))
+        if self._kl_crossed(sums.get("approx_kl", 0.0), float(n)):  # algo.target_kl: no step, the update ends
+            self.optimizer.zero_grad(set_to_none=True)
+            return {**sums, "grad_norm": 0.0, "non_finite_steps": 0.0}
         return self._apply_gradients(sums)
 
     def _loss(self, mb: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:

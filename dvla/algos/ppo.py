@@ -1,10 +1,12 @@
-"""PPO with a learned value head and GAE, advantages normalised over the batch."""
+"""PPO with a learned value head and GAE, advantages normalised over the batch; the value loss
+is clipped where ``algo.value_clip`` says (off by default)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
 from dvla.algos.base import Algorithm
+from dvla.algos.guards import value_loss
 from dvla.algos.losses import gae
 from dvla.config import ConfigError
 from dvla.types import RolloutBatch
@@ -29,5 +31,11 @@ class PPO(Algorithm):
         return adv * valid.float(), ret
 
     def extra_loss(self, mb, out):
-        value_loss = self.mean(0.5 * (out.values.float() - mb["ret"]).pow(2))
-        return self.cfg.value_coef * value_loss, {"value_loss": value_loss.detach()}
+        """``value_coef`` times the value loss, clipped where ``algo.value_clip`` says
+        (:func:`dvla.algos.guards.value_loss`)."""
+        per, clipped = value_loss(out.values.float(), mb["ret"], mb["old_value"], self.cfg.value_clip)
+        loss = self.mean(per)
+        stats = {"value_loss": loss.detach()}
+        if clipped is not None:
+            stats["value_clip_frac"] = self.mean(clipped)
+        return self.cfg.value_coef * loss, stats

@@ -30,6 +30,28 @@ class AlgoConfig:
     """GRPO: weight of the KL penalty to the initial (reference) policy; 0 disables it."""
     value_coef: float = bounded(0.5, ge=0)
     """PPO: weight of the value loss."""
+    value_clip: float = bounded(0.0, ge=0)
+    """PPO: clip the value loss as PPO2 does: ``0.5 max((V - R)^2, (V_old + clamp(V - V_old,
+    -c, c) - R)^2)`` with ``V_old`` the value the rollout recorded. 0 (the default) leaves the
+    value loss unclipped, ``0.5 (V - R)^2``. In the scale of the returns, which are not
+    normalised: a clip of 0.2 on returns of order 10 all but freezes the critic."""
+    target_kl: float = bounded(0.0, ge=0)
+    """Stop an update's epochs early: before each minibatch's optimizer step, the approximate
+    KL to the proximal policy on that minibatch (averaged over the learner ranks, which stop
+    together) is compared with this, exactly (Stable-Baselines3 stops at 1.5x its target);
+    above it, that step and the rest of the update are skipped (logged: ``kl_early_stop``,
+    ``minibatches_stepped``). 0 disables it."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning rate per update: ``constant``, or decayed ``linear``ly or along a ``cosine``
+    from ``lr`` (each parameter group's own rate) towards 0 over ``lr_horizon`` updates (the
+    last update of the horizon runs at ``lr / (lr_horizon - lr_warmup)`` with ``linear``).
+    Logged as ``lr``."""
+    lr_warmup: int = bounded(0, ge=0)
+    """Updates of linear warmup before the schedule: update ``u`` < ``lr_warmup`` runs at
+    ``lr * (u + 1) / (lr_warmup + 1)``."""
+    lr_horizon: int = bounded(0, ge=0)
+    """Updates the ``linear`` or ``cosine`` decay spans, warmup included (past it the rate is
+    0). 0: ``run.iterations``."""
     max_abs_log_prob: float = bounded(1e4, gt=0)
     """A chunk whose log-probs (of a whole action or each step) reach beyond this in
     absolute value is rejected before any update (``rejected_range``)."""
@@ -92,3 +114,11 @@ class AlgoConfig:
     model and gradients are all-reduced. ``auto``: ``fsdp`` with several learner ranks
     (``none`` with ``swimlane.roles=adaptive``)."""
 
+    def _validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.value_clip > 0 and self.name != "ppo":
+            errs.append(("value_clip", f"clips PPO's value loss; {self.name} has none: set it to 0"))
+        if self.lr_horizon and self.lr_schedule != "constant" and self.lr_warmup >= self.lr_horizon:
+            errs.append(("lr_warmup", f"{self.lr_warmup} updates of warmup leave nothing of algo.lr_horizon "
+                                      f"({self.lr_horizon}) to the {self.lr_schedule} decay"))
+        return errs

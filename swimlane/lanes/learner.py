@@ -222,7 +222,7 @@ class LearnerLane:
             if chunks:
                 learn = self.algo.update(batch, self.generator, learner_version=self.version())
             else:
-                self.algo.follow()
+                self.algo.follow(self.version())
                 learn = {"samples": 0.0}
                 self.ledger.add("updates_sat_out")
         senders, self._senders = self._senders, []
