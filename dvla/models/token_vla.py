@@ -8,7 +8,7 @@ proprioceptive state. Actions are tokens on the last ``n_bins`` ids of the vocab
 Every camera the env declares (the main one and ``Observation.cameras``, each at its own
 resolution) is resized for the tower and its patches marked with a learned camera embedding.
 
-* ``size``: ``tiny`` (0.26M parameters, trains on a CPU), ``0.5b`` (a SigLIP-B/16 tower and
+* ``size``: ``tiny`` (0.26M parameters, runs on a CPU; learns fast_reach with 21 bins and 16 px images, see docs/concepts.md), ``0.5b`` (a SigLIP-B/16 tower and
   a 24-layer, 896-wide LM: 0.45B parameters with the built-in tokenizer's vocabulary) or
   ``7b`` (a SigLIP-So400m tower and a Llama-2-7B shaped LM: 6.9B). ``vision`` and ``lm`` override single fields of the
   ``SiglipVisionConfig`` and ``LlamaConfig``.
