@@ -53,6 +53,22 @@ def test_pi0_vla_learns_fast_reach(tmp_path):
     assert sum(success[-5:]) / 5 > sum(success[:5]) / 5 + 0.3, success
 
 
+def test_the_prefix_runs_once_per_decision_in_the_rollout_and_in_learning():
+    """act() computes the prefix once and runs the expert once per denoising step over its
+    cache; evaluate() (the learner) computes the prefix once per sample and scores all steps
+    in one batched call of the expert."""
+    env, policy, _ = _setup()
+    calls = {"prefix": 0, "expert": 0}
+    policy.lm.layers[0].register_forward_hook(lambda *a: calls.__setitem__("prefix", calls["prefix"] + 1))
+    policy.expert.register_forward_hook(lambda *a: calls.__setitem__("expert", calls["expert"] + 1))
+    raw = env.reset()
+    out = policy.act(raw)
+    assert calls == {"prefix": 1, "expert": 3}
+    calls.update(prefix=0, expert=0)
+    policy.evaluate(raw, out.actions, extras=out.extras)
+    assert calls == {"prefix": 1, "expert": 1}
+
+
 def test_the_chain_log_prob_is_its_transitions_scored_by_the_expert():
     """Replay the noisy chain by hand with the expert over the cached prefix: the actions,
     the chain and the log-prob are what the head's draw says, and the learner's scoring (all
