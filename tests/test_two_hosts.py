@@ -208,34 +208,21 @@ def test_curve_admits_a_listed_key_and_refuses_an_unlisted_one_across_hosts(two_
     assert result["rejected"].get("curve_auth", 0) >= 1, result
 
 
-def test_two_hosts_train_with_listed_curve_keys(two_hosts, tmp_path):
-    """Every rank's key made by ``dvla keys`` (operator-supplied, a shared directory) and
-    listed, with ``require_auth``: chunks cross the link encrypted and authenticated, each
-    under its key's name, none refused, no warning, and the run finishes."""
+def test_learners_advertise_their_own_endpoints_and_listed_curve_keys_cross_the_link(two_hosts, tmp_path):
+    """One job, two learners on host a and the rollout ranks on host b, every rank's key made
+    by ``dvla keys`` (operator-supplied, a shared directory) and listed, with
+    ``require_auth``. Each rollout rank dials its own learner's advertised endpoint over the
+    link; chunks cross it encrypted and authenticated, each under its key's name, none
+    refused, no warning; the learners stay identical and the run finishes."""
     subprocess.run([sys.executable, "-m", "dvla.cli", "keys", str(tmp_path / "keys"), "--ranks", "4"], check=True,
                    capture_output=True)
-    out = tmp_path / "curve"
-    curve = ("data_plane.curve=true", f"data_plane.curve_keys_dir={tmp_path / 'keys'}",
-             f"data_plane.curve_authorized_dir={tmp_path / 'keys' / 'public'}", "run.iterations=8")
-    port = random.randrange(40000, 50000)
-    logs = run_both([torchrun(h, two_hosts, port, out, *curve, "data_plane.require_auth=true")
-                     for h in two_hosts.hosts], tmp_path)
-    assert not any("UNAUTHENTICATED" in log for log in logs)
-    s0 = json.loads((out / "summary.json").read_text())
-    assert s0["version"] == 8 and s0["receiver"]["rejected"].get("curve_auth", 0) == 0
-    assert not s0["receiver"]["rejected"].get("spoofed_sender"), s0["receiver"]
-    for r in (2, 3):
-        s = json.loads((out / f"summary_rank{r}.json").read_text())
-        assert s["data_route"]["transport"] == "tcp" and s["chunks_sent"] > 0
-
-
-def test_each_learner_advertises_its_own_endpoint_across_hosts(two_hosts, tmp_path):
-    """Two learners on host a, the rollout ranks on host b: each rollout rank dials its own
-    learner's advertised endpoint over the link, and the learners stay identical."""
     out = tmp_path / "learners"
+    curve = ("data_plane.curve=true", f"data_plane.curve_keys_dir={tmp_path / 'keys'}",
+             f"data_plane.curve_authorized_dir={tmp_path / 'keys' / 'public'}", "data_plane.require_auth=true")
     port = random.randrange(50000, 60000)
-    run_both([torchrun(h, two_hosts, port, out, "run.iterations=6", "swimlane.learner_ranks=2",
-                       "swimlane.colocate=false") for h in two_hosts.hosts], tmp_path)
+    logs = run_both([torchrun(h, two_hosts, port, out, "run.iterations=6", "swimlane.learner_ranks=2",
+                              "swimlane.colocate=false", *curve) for h in two_hosts.hosts], tmp_path)
+    assert not any("UNAUTHENTICATED" in log for log in logs)
     s = {0: json.loads((out / "summary.json").read_text())}
     for r in (1, 2, 3):
         s[r] = json.loads((out / f"summary_rank{r}.json").read_text())
@@ -247,5 +234,9 @@ def test_each_learner_advertises_its_own_endpoint_across_hosts(two_hosts, tmp_pa
     assert sorted(routes[r]["learner"] for r in (2, 3)) == [0, 1]
     addresses = {routes[r]["address"] for r in (2, 3)}
     assert len(addresses) == 2 and all(x.startswith(f"tcp://{home_address}:") for x in addresses)
+    assert all(routes[r]["transport"] == "tcp" and s[r]["chunks_sent"] > 0 for r in (2, 3))
+    for r in learners:
+        assert s[r]["receiver"]["rejected"].get("curve_auth", 0) == 0, s[r]["receiver"]
+        assert not s[r]["receiver"]["rejected"].get("spoofed_sender"), s[r]["receiver"]
     assert s[0]["weights_digest"] == s[1]["weights_digest"] and s[0]["version"] == 6
     assert s[0]["collective_sequence"] == s[1]["collective_sequence"]
