@@ -4,7 +4,8 @@
     dvla report [RUN_DIR] [--out DIR]            plots (success, return, throughput, staleness,
                                                  lanes, Gantt, memory) and a text summary
     dvla trace [RUN_DIR] [--out PNG] [--last S]  lane utilisation and a swimlane Gantt chart
-    dvla eval [RUN_DIR] --suite libero_spatial   success per task over the suite's fixed initial states
+    dvla eval [RUN_DIR ...] [--episodes N]       success per task on fixed states (LIBERO's) or seeds, with
+                                                 95% intervals; several runs side by side with p-values
     dvla plan --nodes 1,8,1024 --params 7B       placement and weight-broadcast cost on a cluster
     dvla plan --params token_vla:size=7b         ... for a registered policy's parameter count
     dvla check-policy [--import FILE.py] policy.name=NAME [policy.options.KEY=VALUE ...]
@@ -90,7 +91,7 @@ COMMANDS = {
     "train": "train a policy (same as python -m dvla.launch)",
     "report": "plots and a text summary of a run",
     "trace": "lane utilisation and a Gantt chart of a run",
-    "eval": "success per task of a run's policy on a benchmark suite (LIBERO)",
+    "eval": "success per task of runs' policies on fixed states, with intervals; runs side by side",
     "plan": "placement and modelled weight-broadcast cost on a cluster",
     "check-policy": "whether a policy (--import FILE.py policy.name=NAME) keeps dvla's contract",
     "config-ref": "the configuration reference, generated from the code",
@@ -216,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return report(resolved)
     if cmd == "eval":
+        # (the first RUN_DIR, or the newest run; evaluation resolves the others' base directories)
         resolved = resolve_run_argument(cmd, rest, ("--suite", "--tasks", "--episodes", "--n-envs", "--workers",
-                                                    "--seed"))
+                                                    "--seed", "--out"))
         if resolved is None:
             return 2
         from dvla.evaluation import main as evaluate

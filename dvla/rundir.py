@@ -215,8 +215,9 @@ RESUME_REFUSES = ("env.name", "env.n_envs", "env.episode_len", "env.image_size",
                   "algo.group_size", "run.seed")
 """Config fields (or sections, ending in a dot) a resume may not change: the model and its
 checkpointed state, what an episode and a chunk are, the algorithm, the seed."""
-RESUME_IGNORES = ("run.out_dir", "run.name", "run.resume")
-"""Fields that only say where the run is and how it was started."""
+RESUME_IGNORES = ("run.out_dir", "run.name", "run.resume", "policy.init")
+"""Fields that only say where the run is and how it was started (``policy.init``: a resume
+continues from its checkpoint, whatever weights the run started from)."""
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

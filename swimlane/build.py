@@ -21,6 +21,7 @@ from dvla.algos import build_algorithm
 from dvla.config import ConfigError, JobConfig, SwimlaneConfig
 from dvla.distributed import allreduce_mean_grads
 from dvla.envs import env_spec, make_env
+from dvla.init_weights import load_init
 from dvla.policy import ExtraSpec, PolicySpec, build_policy
 from dvla.rollout import cameras_of
 from dvla.sharding import checkpoint_activations, shard_learner
@@ -178,7 +179,8 @@ def check_policy_io(policy, name: str) -> None:
 def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Groups,
                 memory: MemoryManager | None) -> Model:
     """Env groups, policy and (on learners) the algorithm, as ``plan`` says, seeded so that
-    every driver and every rank of a role builds the same weights."""
+    every driver and every rank of a role builds the same weights; rank 0's are then
+    ``policy.init``'s where it is set (before the algorithm copies its KL reference)."""
     seed, rank = cfg.run.seed, plan.rank
     torch.manual_seed(seed)
     envs = []
@@ -191,6 +193,8 @@ def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Gr
     spec = PolicySpec.for_env(spec_, cfg.policy.action_chunk)
     policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
     check_policy_io(policy, cfg.policy.name)
+    if cfg.policy.init and rank == 0 and not cfg.run.resume:  # before the KL reference is copied (the algorithm)
+        log.info("%s", load_init(policy, cfg.policy.init, cfg.policy.name))  # others get rank 0's (agreement, v0)
     envs += [make_env(env_cfg, device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, plan.env_groups)]
     algo = learn_gen = None
     if plan.learner:

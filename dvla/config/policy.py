@@ -25,3 +25,17 @@ class PolicyConfig:
     pi0_vla: ``size (tiny|3b), vision, lm, expert, flow_steps, init_log_sigma, tokenizer,
     max_tokens, pretrained_path, lora_rank, lora_alpha, lora_targets, lora_expert, value_head,
     cameras``)."""
+    init: str | None = None
+    """Start from trained weights (e.g. an SFT run's): a run directory (its newest weights:
+    ``weights.safetensors`` or its newest checkpoint, whichever is newer; a base directory
+    means its ``latest`` run) or a ``.safetensors`` file. Loaded into the freshly built
+    policy before the first update, so GRPO's KL reference (``algo.kl_coef``) is this policy.
+    The policy name recorded with the weights must be ``name``, and every tensor must fit the
+    policy as ``options`` build it (a one-line error otherwise). Read on rank 0; the other
+    ranks receive its weights. ``--resume`` continues from the run's checkpoint and does not
+    read it; null: the policy's own initialisation."""
+
+    def _validate(self) -> list[tuple[str, str]]:
+        if self.init is not None and not self.init.strip():
+            return [("init", "an empty path; give a run directory or a .safetensors file, or null")]
+        return []

@@ -1,0 +1,128 @@
+"""A run's trained weights, read back into a freshly built policy: ``policy.init`` (an RL
+run that starts from an SFT run's policy) and ``dvla eval``.
+
+:func:`read_weights` takes a run directory (its newest weights: ``weights.safetensors``
+or its newest valid checkpoint, whichever holds the higher version; a base directory
+means its ``latest`` run), a checkpoint directory (``checkpoints/step-N``) or a
+``.safetensors`` file. :func:`fit_policy` loads them into a policy after checking the
+policy name recorded with them and every tensor's name and shape. Every problem is one
+:class:`~dvla.config.ConfigError` line that names the path and what does not fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dvla.checkpoint import MANIFEST_FILE, CheckpointError, CheckpointManager, section
+from dvla.config import ConfigError
+from dvla.rundir import resolve_run_arg
+
+WEIGHTS_FILE = "weights.safetensors"
+_SHOWN = 3  # mismatched tensors named in an error
+
+
+@dataclass
+class StoredWeights:
+    path: Path  # the file or checkpoint directory read
+    tensors: dict[str, Tensor]  # named as the policy's state dict names them
+    policy: str | None  # the registry name it was saved from (None: not recorded)
+    version: int | None  # the update that made them (None: not recorded)
+
+    def describe(self) -> str:
+        return (f"{self.path} (policy {self.policy or 'unrecorded'}, version "
+                f"{self.version if self.version is not None else 'unrecorded'})")
+
+
+def _one_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _file_version(path: Path) -> int | None:
+    """The version in a safetensors file's metadata (None when unreadable or absent)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            return int((f.metadata() or {}).get("version"))
+    except Exception:
+        return None
+
+
+def _from_file(path: Path, what: str) -> StoredWeights:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path), device="cpu")
+    except Exception as exc:  # not safetensors, truncated, unreadable
+        raise ConfigError(f"{what}: {path} is not a readable safetensors file ({_one_line(exc)})") from None
+    if any(k.startswith("policy/") for k in tensors):
+        tensors = section(tensors, "policy/")  # a checkpoint's tensors file
+    try:
+        version = int(meta["version"]) if "version" in meta else int(meta["step"]) if "step" in meta else None
+    except ValueError:
+        version = None
+    return StoredWeights(path, tensors, meta.get("policy"), version)
+
+
+def _from_checkpoint(manager: CheckpointManager, path: Path | None, what: str) -> StoredWeights:
+    try:
+        ck = manager.load(path) if path is not None else manager.load_latest()
+    except CheckpointError as exc:
+        raise ConfigError(f"{what}: {_one_line(exc)}") from None
+    name = ((ck.manifest.get("config") or {}).get("policy") or {}).get("name")
+    return StoredWeights(ck.path, section(ck.tensors, "policy/"), name, int(ck.step))
+
+
+def read_weights(path: str | Path, what: str = "policy.init") -> StoredWeights:
+    """The weights ``path`` names (see the module's docstring); ``what`` starts every error."""
+    p = resolve_run_arg(Path(path).expanduser())
+    if p.is_file():
+        return _from_file(p, what)
+    if not p.is_dir():
+        raise ConfigError(f"{what}: {p} does not exist (give a run directory or a .safetensors file)")
+    if (p / MANIFEST_FILE).is_file():  # one checkpoint's directory
+        return _from_checkpoint(CheckpointManager(p.parent), p, what)
+    manager = CheckpointManager(p / "checkpoints")
+    steps = manager.list()
+    weights = p / WEIGHTS_FILE
+    if not steps and not weights.is_file():
+        raise ConfigError(f"{what}: {p} holds no weights (no {WEIGHTS_FILE}, no checkpoint in {p / 'checkpoints'})")
+    if steps and (not weights.is_file() or int(steps[-1].name.split("-")[1]) > (_file_version(weights) or -1)):
+        return _from_checkpoint(manager, None, what)
+    return _from_file(weights, what)
+
+
+def fit_policy(policy: torch.nn.Module, stored: StoredWeights, name: str, what: str = "policy.init") -> None:
+    """Load ``stored`` into ``policy`` (registered as ``name``), strictly: a ConfigError when
+    the recorded policy name differs, a shape differs, or a tensor is missing or unexpected."""
+    if stored.policy is not None and stored.policy != name:
+        raise ConfigError(f"{what}: {stored.path} holds weights of policy {stored.policy!r}, but policy.name is "
+                          f"{name!r}")
+    own = policy.state_dict()
+    fit = f"{what}: {stored.path} does not fit policy {name!r} as policy.options build it"
+    shapes = [f"{k} {tuple(stored.tensors[k].shape)} in the file, {tuple(t.shape)} here"
+              for k, t in own.items() if k in stored.tensors and stored.tensors[k].shape != t.shape]
+    if shapes:
+        more = f" (and {len(shapes) - _SHOWN} more)" if len(shapes) > _SHOWN else ""
+        raise ConfigError(f"{fit}: shapes differ: {'; '.join(shapes[:_SHOWN])}{more}")
+    missing = [k for k in own if k not in stored.tensors]
+    unexpected = [k for k in stored.tensors if k not in own]
+    if missing or unexpected:
+        parts = [f"{label} {', '.join(keys[:_SHOWN])}{f' (and {len(keys) - _SHOWN} more)' if len(keys) > _SHOWN else ''}"
+                 for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
+        raise ConfigError(f"{fit}: {'; '.join(parts)}")
+    policy.load_state_dict(stored.tensors)
+
+
+def load_init(policy: torch.nn.Module, path: str | Path, name: str) -> str:
+    """``policy.init``: load the weights ``path`` names into ``policy``; the line to log."""
+    stored = read_weights(path, "policy.init")
+    fit_policy(policy, stored, name, "policy.init")
+    return f"policy.init: loaded {stored.describe()}"
