@@ -102,9 +102,9 @@ class ActVLA(VLAPolicy):
         """One mean for the whole chunk (the decoder outputs D numbers, repeated over the K
         steps; the log-std stays per step and dimension): a diagnostic of issue #39, which
         removes the per-step directions that the return barely tells apart."""
-        feature_norm: bool = False
-        """Standardise the frozen backbone's features (layer norm without affine) before
-        ``feat_proj``."""
+        image: bool = True
+        """False: the decoder and value head get zeros for the image features (proprio and
+        instruction only): a diagnostic of issue #39."""
 
         def _validate(self) -> list[tuple[str, str]]:
             errs = []
@@ -139,8 +139,8 @@ class ActVLA(VLAPolicy):
         with torch.no_grad():
             img = obs.image.float() * (1.0 / 255.0) - 0.5
             feats = self.backbone(img)
-            if self.config.feature_norm:
-                feats = nn.functional.layer_norm(feats, feats.shape[-1:])
+            if not self.config.image:
+                feats = torch.zeros_like(feats)
         ids = obs.instruction_ids
         mask = (ids > 0).unsqueeze(-1).float()
         lang = (self.word_embed(ids) * mask).sum(1) / mask.sum(1).clamp(min=1.0)

@@ -198,3 +198,29 @@ def test_guards_off_leave_the_update_as_it_was():
     stats = learner.update(batch, torch.Generator().manual_seed(0), learner_version=3)
     assert not {"lr", "kl_early_stop", "minibatches_stepped", "value_clip_frac"} & stats.keys()
     assert learner.optimizer.param_groups[0]["lr"] == 1e-3 and math.isfinite(stats["loss"])
+
+
+def test_gamma_discounts_per_decision_and_a_time_limit_bootstraps_whatever_the_chunk():
+    """What the issue #39 cure rests on (docs/running.md, PPO guards): ``algo.gamma`` discounts
+    once per decision, a chunk of K actions counting as one step, and an episode cut by
+    ``env.episode_len`` bootstraps from its last value while one that reached the goal does not.
+    With lambda 0 each return is then ``r_t + gamma * V_{t+1}`` (``V`` of the last observation at
+    the time limit, nothing after a success)."""
+    from dvla.rollout import collect_episodes
+
+    cfg = debug()
+    cfg.env.reward_shaping, cfg.env.episode_len = 1.0, 3
+    env = make_env(cfg.env, seed=0)
+    torch.manual_seed(0)
+    spec = PolicySpec.for_env(env.spec, action_chunk=4)
+    policy = build_policy("tiny_vla", spec, {**OPTIONS, "head": "gaussian"})
+    learner = build_algorithm(AlgoConfig(name="ppo", gamma=0.5, gae_lambda=0.0), policy)
+    batch = collect_episodes(env, policy, 3, group_size=1, generator=torch.Generator().manual_seed(0))
+    assert batch.actions.shape[2] == 4 and batch.truncated.any()
+    _, ret = learner.advantages(batch)
+    nxt = torch.where(batch.truncated, batch.bootstrap, batch.values[1:])
+    want = batch.rewards + 0.5 * nxt * (~batch.terminated).float()
+    v = batch.valid
+    assert torch.allclose(ret[v], want[v], atol=1e-6)
+    if batch.terminated.any():  # a success: its reward alone, however many actions of the chunk ran
+        assert torch.allclose(ret[batch.terminated], batch.rewards[batch.terminated], atol=1e-6)
