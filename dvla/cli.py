@@ -13,6 +13,8 @@
     dvla config-ref [--write [FILE]]             the configuration reference, from the code
                                                  (--write: into docs/configuration.md)
     dvla bench [NAME [ARGS ...]]                 list the benchmarks, or run bench/NAME.py
+    dvla record [RUN_DIR | --expert NAME] --episodes N --out DIR
+                                                 a policy's or an expert's episodes as a LeRobot dataset
 
 RUN_DIR defaults to the newest run under runs/; a base directory (run.out_dir) means
 its latest run.
@@ -96,6 +98,7 @@ COMMANDS = {
     "check-policy": "whether a policy (--import FILE.py policy.name=NAME) keeps dvla's contract",
     "config-ref": "the configuration reference, generated from the code",
     "bench": "list the benchmarks in bench/, or run one",
+    "record": "a policy's or a scripted expert's episodes as a LeRobot dataset",
     "keys": "make persistent CurveZMQ client keys, one per rank (data_plane.curve_keys_dir)",
 }
 
@@ -227,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
         return evaluate(resolved)
     if cmd == "keys":
         return keys_main(rest)
+    if cmd == "record":
+        try:
+            from dvla.datasets.record import main as record
+        except ImportError as exc:  # pyarrow, h5py
+            print(f"dvla record: error: needs the data extra (pip install -e \".[data]\"): {exc}", file=sys.stderr)
+            return 2
+        return record(rest)
     if cmd == "check-policy":
         from dvla.contract import main as check_policy
 
