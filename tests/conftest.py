@@ -107,12 +107,20 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """On an xdist worker with ``--dist loadgroup``: the group suffix xdist puts on the node ids
-    of ``xdist_group`` tests (``tests/x.py::test@group``, what its scheduler groups by).
-    pytest 9.2 keeps node ids in ``_id``; xdist 3.8 still writes ``_nodeid``, so its grouping
-    silently does nothing (pytest-dev/pytest-xdist#1386). Nothing to do where xdist's own
-    suffix took."""
-    if not getattr(config.option, "loadgroup", False) or getattr(config, "workerinput", None) is None:
+    """On an xdist worker: the order below, and with ``--dist loadgroup`` the group suffix
+    xdist puts on the node ids of ``xdist_group`` tests (``tests/x.py::test@group``, what its
+    scheduler groups by). pytest 9.2 keeps node ids in ``_id``; xdist 3.8 still writes
+    ``_nodeid``, so its grouping silently does nothing (pytest-dev/pytest-xdist#1386).
+    Nothing to do where xdist's own suffix took."""
+    if getattr(config, "workerinput", None) is None:
+        return
+    # Modules with tests of the slow tier first, each module's tests together and in their order
+    # (a stable sort, the same on every worker, as xdist needs; module fixtures set up once):
+    # the long tests start at once on both workers and the short ones fill in at the end,
+    # instead of a long test starting last while the other worker has nothing left.
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)
+    if not getattr(config.option, "loadgroup", False):
         return
     from _pytest.nodes import coerce_node_id
 
