@@ -32,7 +32,6 @@ Needs the ``[vla]`` extra (``transformers``, ``tokenizers``, ``peft`` for LoRA).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dvla.heads.flow import FlowMatchingHead
-from dvla.models.token_vla import TokenVLA
+from dvla.models.vlm import SiglipInput, VLMOptions, cameras_used, make_tokenizer
 from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, register_policy
 from dvla.types import Observation
 
@@ -246,9 +245,9 @@ class Pi0Expert(nn.Module):
 # -- the policy --------------------------------------------------------------------------------------------------
 
 @register_policy("pi0_vla")
-class Pi0VLA(VLAPolicy):
+class Pi0VLA(SiglipInput, VLAPolicy):
     @dataclass(kw_only=True)
-    class Config:
+    class Config(VLMOptions):
         size: Literal["tiny", "3b"] = "tiny"
         """Named shapes (see the module docstring)."""
         vision: dict = field(default_factory=dict)
@@ -261,32 +260,15 @@ class Pi0VLA(VLAPolicy):
         """Denoising steps (pi0: 10)."""
         init_log_sigma: float = -1.0
         """Initial log std of the noise injected at every step."""
-        tokenizer: str = "builtin"
-        """``builtin`` or a local tokenizer.json."""
-        max_tokens: int = 24
-        """Instruction tokens per episode, at most."""
         pretrained_path: str | None = None
         """A pi0 checkpoint: a directory with model.safetensors, or the file (see pi0_convert)."""
-        lora_rank: int = 0
-        """LoRA rank on the prefix LM's projections (0: full fine-tuning)."""
-        lora_alpha: float = 16.0
-        lora_targets: list = field(default_factory=lambda: ["q_proj", "v_proj"])
         lora_expert: bool = False
         """Adapters on the expert's layers too (their base weights freeze)."""
-        value_head: bool = False
-        """A value MLP on the pooled prefix (PPO); GRPO needs none."""
-        cameras: list | None = None
-        """Further cameras to read besides the main one (names from the env); None: all of them."""
 
         def _validate(self) -> list[tuple[str, str]]:
-            errs = []
-            for name in ("flow_steps", "max_tokens"):
-                if getattr(self, name) < 1:
-                    errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
-            if self.lora_rank < 0:
-                errs.append(("lora_rank", f"must be >= 0, got {self.lora_rank}"))
-            if self.tokenizer != "builtin" and not Path(self.tokenizer).is_file():
-                errs.append(("tokenizer", f"`builtin` or a tokenizer.json file, got {self.tokenizer!r}"))
+            errs = self._shared_errors()
+            if self.flow_steps < 1:
+                errs.append(("flow_steps", f"must be >= 1, got {self.flow_steps}"))
             if self.pretrained_path is not None and not Path(self.pretrained_path).exists():
                 errs.append(("pretrained_path", f"no such file or directory: {self.pretrained_path!r}"))
             for name, allowed in (("lm", SIZES["tiny"]["lm"]), ("expert", SIZES["tiny"]["expert"])):
@@ -299,8 +281,8 @@ class Pi0VLA(VLAPolicy):
         super().__init__(spec=spec, config=config)
         tf = _transformers()
         ckpt = Path(config.pretrained_path) if config.pretrained_path else None
-        self.cameras_used = tuple(name for name, _ in spec.cameras) if config.cameras is None else tuple(config.cameras)
-        self.tokenizer = TokenVLA._make_tokenizer(config, ckpt if ckpt is None or ckpt.is_dir() else ckpt.parent)
+        self.cameras_used = cameras_used(spec, config)
+        self.tokenizer = make_tokenizer(config, ckpt if ckpt is None or ckpt.is_dir() else ckpt.parent)
         lm = {**SIZES[config.size]["lm"], **config.lm}
         ex = {**SIZES[config.size]["expert"], **config.expert}
         if lm["heads"] % lm["kv_heads"] or ex["heads"] % lm["kv_heads"]:
@@ -348,17 +330,6 @@ class Pi0VLA(VLAPolicy):
 
     def rollout_extras(self):
         return self.action_head.rollout_extras()  # the denoising chain
-
-    def _pixels(self, image: Tensor) -> Tensor:
-        x = image.float() * (1.0 / 255.0)
-        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-        return (x - 0.5) / 0.5
-
-    def preprocess(self, obs: Observation) -> Observation:
-        """Every camera -> the vision tower's input size, scaled to [-1, 1] (SigLIP's)."""
-        return dataclasses.replace(obs, image=self._pixels(obs.image),
-                                   cameras={k: self._pixels(v) for k, v in obs.cameras.items()})
 
     def embed_prefix(self, obs: Observation) -> tuple[Tensor, Tensor]:
         """The prefix's embeddings ``(B, L, W)``, image patches of every camera then the

@@ -24,18 +24,16 @@ Needs the ``[vla]`` extra (``transformers``, ``tokenizers``, ``peft`` for LoRA).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from dvla.heads.tokens import TokenActionHead
+from dvla.models.vlm import SiglipInput, VLMOptions, cameras_used, make_tokenizer
 from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, register_policy
-from dvla.tokenizers import HFTokenizer, builtin_tokenizer
 from dvla.types import Observation
 
 SIZES: dict[str, dict[str, dict]] = {
@@ -63,9 +61,9 @@ def _transformers():
 
 
 @register_policy("token_vla")
-class TokenVLA(VLAPolicy):
+class TokenVLA(SiglipInput, VLAPolicy):
     @dataclass(kw_only=True)
-    class Config:
+    class Config(VLMOptions):
         size: Literal["tiny", "0.5b", "7b"] = "tiny"
         """Named backbone shapes (see the module docstring)."""
         vision: dict = field(default_factory=dict)
@@ -75,31 +73,13 @@ class TokenVLA(VLAPolicy):
         n_bins: int = 256
         """Action bins per dimension: the last ids of the vocabulary."""
         decoding: Literal["autoregressive", "parallel"] = "autoregressive"
-        tokenizer: str = "builtin"
-        """``builtin`` (a BPE trained on dvla/data/instructions.txt) or a local tokenizer.json."""
-        max_tokens: int = 24
-        """Instruction tokens per episode, at most."""
         pretrained_path: str | None = None
         """Local directory with vision/ and lm/ (save_pretrained layout); random init when unset."""
-        lora_rank: int = 0
-        """LoRA rank on the LM's attention projections (0: full fine-tuning)."""
-        lora_alpha: float = 16.0
-        lora_targets: list = field(default_factory=lambda: ["q_proj", "v_proj"])
-        value_head: bool = False
-        """A value MLP on the pooled prefix (PPO); GRPO needs none."""
-        cameras: list | None = None
-        """Further cameras to read besides the main one (names from the env); None: all of them."""
 
         def _validate(self) -> list[tuple[str, str]]:
-            errs = []
+            errs = self._shared_errors()
             if self.n_bins < 2:
                 errs.append(("n_bins", f"must be >= 2, got {self.n_bins}"))
-            if self.max_tokens < 1:
-                errs.append(("max_tokens", f"must be >= 1, got {self.max_tokens}"))
-            if self.lora_rank < 0:
-                errs.append(("lora_rank", f"must be >= 0, got {self.lora_rank}"))
-            if self.tokenizer != "builtin" and not Path(self.tokenizer).is_file():
-                errs.append(("tokenizer", f"`builtin` or a tokenizer.json file, got {self.tokenizer!r}"))
             if self.pretrained_path is not None and not Path(self.pretrained_path).is_dir():
                 errs.append(("pretrained_path", f"not a directory: {self.pretrained_path!r}"))
             return errs
@@ -108,8 +88,8 @@ class TokenVLA(VLAPolicy):
         super().__init__(spec=spec, config=config)
         tf = _transformers()
         root = Path(config.pretrained_path) if config.pretrained_path else None
-        self.cameras_used = tuple(name for name, _ in spec.cameras) if config.cameras is None else tuple(config.cameras)
-        self.tokenizer = self._make_tokenizer(config, root)
+        self.cameras_used = cameras_used(spec, config)
+        self.tokenizer = make_tokenizer(config, root)
         shapes = SIZES[config.size]
         v_cfg = tf.SiglipVisionConfig(**{**shapes["vision"], "num_channels": spec.image_shape[0], **config.vision})
         vocab = self.tokenizer.vocab_size + config.n_bins
@@ -149,17 +129,6 @@ class TokenVLA(VLAPolicy):
         """The vision encoder's and the LM's transformer blocks, one FSDP unit each."""
         return [m for m in self.modules() if type(m).__name__.endswith(("EncoderLayer", "DecoderLayer"))]
 
-    @staticmethod
-    def _make_tokenizer(config: "TokenVLA.Config", root: Path | None) -> HFTokenizer:
-        path = Path(config.tokenizer) if config.tokenizer != "builtin" else None
-        if path is None and root is not None and (root / "tokenizer.json").is_file():
-            path = root / "tokenizer.json"
-        if path is None:
-            return builtin_tokenizer(max_len=config.max_tokens)
-        from tokenizers import Tokenizer
-
-        return HFTokenizer(Tokenizer.from_file(str(path)), max_len=config.max_tokens)
-
     def save_backbones(self, path: str | Path) -> None:
         """Write the vision tower and the LM where ``pretrained_path`` reads them."""
         path = Path(path)
@@ -169,18 +138,6 @@ class TokenVLA(VLAPolicy):
 
     def rollout_extras(self):
         return self.action_head.rollout_extras()
-
-    def _pixels(self, image: Tensor) -> Tensor:
-        x = image.float() * (1.0 / 255.0)
-        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-        return (x - 0.5) / 0.5
-
-    def preprocess(self, obs: Observation) -> Observation:
-        """Every camera (uint8, each its own size) -> the vision tower's input: resized to its
-        image size and scaled to [-1, 1] (SigLIP's normalisation, mean and std 0.5)."""
-        return dataclasses.replace(obs, image=self._pixels(obs.image),
-                                   cameras={k: self._pixels(v) for k, v in obs.cameras.items()})
 
     def forward(self, obs: Observation) -> PolicyOutput:
         views = list(obs.images.values())  # the main camera, then cameras_used in order
