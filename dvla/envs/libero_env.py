@@ -216,6 +216,16 @@ class LiberoEnv(BatchedEnv):
         return Observation(image=cat("image").permute(0, 3, 1, 2).contiguous(), proprio=cat("proprio"),
                            instruction=list(self.instructions), cameras=cameras)
 
+    def privileged(self, geoms: bool = False) -> dict:
+        """Every env's simulator state for a scripted expert (:meth:`LiberoHost.privileged`,
+        its rows in env order): not an observation, no policy reads it."""
+        parts = []
+        for h in self.hosts:  # one at a time: a failure leaves no answer behind
+            h.send("privileged", geoms)
+            parts.append(h.result("privileged"))
+        return {key: np.concatenate([p[key] for p in parts]) if isinstance(parts[0][key], np.ndarray)
+                else [x for p in parts for x in p[key]] for key in parts[0]}
+
     def close(self) -> None:
         for h in self.hosts:
             try:

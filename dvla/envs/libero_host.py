@@ -99,6 +99,23 @@ class LiberoTasks:
         return np.asarray(self.suite.get_task_init_states(task_id))
 
 
+def _solid_geoms(inner) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every colliding geom of each object and fixture (bodies below its root included) as an
+    oriented box around it: centres (G, 3), rotations (G, 3, 3), half sizes (G, 3), world frame."""
+    m, d = inner.sim.model._model, inner.sim.data._data
+    roots = {i: name for name, i in inner.obj_body_id.items()}
+    boxes: dict[str, list] = {}
+    for g in range(m.ngeom):
+        b = int(m.geom_bodyid[g])
+        while b and b not in roots:
+            b = int(m.body_parentid[b])
+        if b not in roots or not (m.geom_contype[g] or m.geom_conaffinity[g]):
+            continue
+        rot = d.geom_xmat[g].reshape(3, 3)
+        boxes.setdefault(roots[b], []).append((d.geom_xpos[g] + rot @ m.geom_aabb[g, :3], rot, m.geom_aabb[g, 3:]))
+    return {name: tuple(np.array(x) for x in zip(*v)) for name, v in boxes.items()}
+
+
 class LiberoHost:
     """Some of the envs, stepped one after the other in one process (this one or a worker's).
     Every method returns plain numpy arrays, one row per env it holds."""
@@ -170,6 +187,30 @@ class LiberoHost:
                 if w:
                     wrist[j] = o["robot0_eye_in_hand_image"][::-1, ::-1]
         return {"proprio": proprio, "image": image, "wrist": wrist}
+
+    def privileged(self, geoms: bool = False) -> dict:
+        """The simulator's state a scripted expert acts on (no policy sees it), per env: the
+        effector's position, orientation (quaternion x, y, z, w) and finger positions, as in
+        the last observation, the task's goal predicates (from its BDDL file) and the
+        position and orientation (x, y, z, w) of every object and fixture (body origins,
+        world frame); with ``geoms`` also their shapes (:func:`_solid_geoms`)."""
+        out = {"eef_pos": [], "eef_quat": [], "gripper_qpos": [], "goal": [], "objects": [], "quats": []}
+        if geoms:
+            out["geoms"] = [_solid_geoms(env.env) for env in self.envs]
+        for env, o in zip(self.envs, self._obs):
+            if o is None:
+                raise RuntimeError("libero host: privileged() before the env's first reset")
+            inner = env.env
+            out["eef_pos"].append(o["robot0_eef_pos"])
+            out["eef_quat"].append(o["robot0_eef_quat"])
+            out["gripper_qpos"].append(o["robot0_gripper_qpos"])
+            out["goal"].append([list(p) for p in inner.parsed_problem["goal_state"]])
+            xpos, xquat = inner.sim.data.body_xpos, inner.sim.data.body_xquat
+            out["objects"].append({name: xpos[i].copy() for name, i in inner.obj_body_id.items()})
+            out["quats"].append({name: xquat[i][[1, 2, 3, 0]] for name, i in inner.obj_body_id.items()})
+        for key in ("eef_pos", "eef_quat", "gripper_qpos"):
+            out[key] = np.asarray(out[key], np.float64).reshape(len(self.envs), -1)
+        return out
 
     def close(self) -> None:
         for env in self.envs:
