@@ -15,6 +15,8 @@
     dvla bench [NAME [ARGS ...]]                 list the benchmarks, or run bench/NAME.py
     dvla record [RUN_DIR | --expert NAME] --episodes N --out DIR
                                                  a policy's or an expert's episodes as a LeRobot dataset
+    dvla sft --data DATASET [--preset P] [KEY=VALUE ...]
+                                                 supervised warm start on demonstrations (policy.init takes it)
 
 RUN_DIR defaults to the newest run under runs/; a base directory (run.out_dir) means
 its latest run.
@@ -99,6 +101,7 @@ COMMANDS = {
     "config-ref": "the configuration reference, generated from the code",
     "bench": "list the benchmarks in bench/, or run one",
     "record": "a policy's or a scripted expert's episodes as a LeRobot dataset",
+    "sft": "supervised warm start of a policy on a demonstration dataset (then policy.init=RUN_DIR)",
     "keys": "make persistent CurveZMQ client keys, one per rank (data_plane.curve_keys_dir)",
 }
 
@@ -237,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"dvla record: error: needs the data extra (pip install -e \".[data]\"): {exc}", file=sys.stderr)
             return 2
         return record(rest)
+    if cmd == "sft":
+        try:
+            from dvla.sft import main as sft
+        except ImportError as exc:  # pyarrow, h5py
+            print(f"dvla sft: error: needs the data extra (pip install -e \".[data]\"): {exc}", file=sys.stderr)
+            return 2
+        return sft(rest)
     if cmd == "check-policy":
         from dvla.contract import main as check_policy
 

@@ -83,6 +83,27 @@ class ActionDistribution:
     def entropy(self, extras: Extras | None = None) -> Tensor:  # (B,)
         raise NotImplementedError
 
+    def imitation_loss(self, actions: Tensor, valid: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """The supervised loss of demonstrated chunks ``actions`` (B, K, D) (``dvla sft``), with
+        ``valid`` (B, K) false on steps past an episode's end, and its stats: by default the
+        negative log-likelihood of each valid chunk step (summed over the action dimensions),
+        averaged over the valid steps. Heads without exact log-probs of bare actions (a flow
+        chain, sampled tokens) override it."""
+        elements = self.log_prob_elements(actions)
+        if elements is None:
+            raise NotImplementedError(f"{type(self).__name__} has no log_prob_elements for the default imitation "
+                                      "loss: override imitation_loss (the distribution's or the policy's)")
+        nll = -masked_step_mean(elements.sum(-1), valid)
+        return nll, {"nll": float(nll.detach())}
+
+
+def masked_step_mean(per_step: Tensor, valid: Tensor | None) -> Tensor:
+    """The mean of ``per_step`` (B, K) over the steps ``valid`` (B, K) marks (all: None)."""
+    if valid is None:
+        return per_step.mean()
+    w = valid.to(per_step.dtype)
+    return (per_step * w).sum() / w.sum().clamp(min=1.0)
+
 
 class BinnedActionDistribution(ActionDistribution):
     """Each action dimension is discretised into ``n_bins`` uniform bins over [-1, 1]

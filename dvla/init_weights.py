@@ -7,6 +7,10 @@ means its ``latest`` run), a checkpoint directory (``checkpoints/step-N``) or a
 ``.safetensors`` file. :func:`fit_policy` loads them into a policy after checking the
 policy name recorded with them and every tensor's name and shape. Every problem is one
 :class:`~dvla.config.ConfigError` line that names the path and what does not fit.
+
+The normalisation an SFT run trained with (:mod:`dvla.normalize`: the ``normalization`` entry
+of the weights' metadata, else ``normalization.json`` in the run directory) comes with the
+weights, and :func:`fit_policy` installs it as ``policy.normalizer``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import Tensor
 
 from dvla.checkpoint import MANIFEST_FILE, CheckpointError, CheckpointManager, section
 from dvla.config import ConfigError
+from dvla.normalize import FILE as NORM_FILE, METADATA_KEY as NORM_KEY, Normalizer
 from dvla.rundir import resolve_run_arg
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -31,6 +36,7 @@ class StoredWeights:
     tensors: dict[str, Tensor]  # named as the policy's state dict names them
     policy: str | None  # the registry name it was saved from (None: not recorded)
     version: int | None  # the update that made them (None: not recorded)
+    normalization: Normalizer | None = None  # what an SFT run normalised with (dvla.normalize)
 
     def describe(self) -> str:
         return (f"{self.path} (policy {self.policy or 'unrecorded'}, version "
@@ -68,7 +74,38 @@ def _from_file(path: Path, what: str) -> StoredWeights:
         version = int(meta["version"]) if "version" in meta else int(meta["step"]) if "step" in meta else None
     except ValueError:
         version = None
-    return StoredWeights(path, tensors, meta.get("policy"), version)
+    norm = _normalization(meta[NORM_KEY], path, what) if NORM_KEY in meta else None
+    return StoredWeights(path, tensors, meta.get("policy"), version, norm)
+
+
+def _normalization(text: str, where: Path, what: str) -> Normalizer:
+    try:
+        return Normalizer.from_json(text)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{what}: {where} holds an unreadable normalisation ({_one_line(exc)})") from None
+
+
+def _with_run_normalization(stored: StoredWeights, run: Path, what: str, depth: int = 0) -> StoredWeights:
+    """``stored`` with ``run/normalization.json`` where its weights carry none, else with the
+    normalisation of the run it started from (its config's ``policy.init``: an RL run after
+    SFT), where that still exists."""
+    f = run / NORM_FILE
+    if stored.normalization is None and f.is_file():
+        stored.normalization = _normalization(f.read_text(), f, what)
+    if stored.normalization is None and depth < 4 and (run / "config.yaml").is_file():
+        import yaml
+
+        try:
+            init = ((yaml.safe_load((run / "config.yaml").read_text()) or {}).get("policy") or {}).get("init")
+        except (OSError, yaml.YAMLError, AttributeError):
+            init = None
+        src = resolve_run_arg(Path(init).expanduser()) if init else None
+        if src is not None and src.exists():
+            src_run = src.parent if src.is_file() else src.parent.parent if (src / MANIFEST_FILE).is_file() else src
+            if src_run.resolve() != run.resolve():
+                stored.normalization = _with_run_normalization(
+                    StoredWeights(src, {}, None, None), src_run, what, depth + 1).normalization
+    return stored
 
 
 def _from_checkpoint(manager: CheckpointManager, path: Path | None, what: str) -> StoredWeights:
@@ -84,19 +121,19 @@ def read_weights(path: str | Path, what: str = "policy.init") -> StoredWeights:
     """The weights ``path`` names (see the module's docstring); ``what`` starts every error."""
     p = resolve_run_arg(Path(path).expanduser())
     if p.is_file():
-        return _from_file(p, what)
+        return _with_run_normalization(_from_file(p, what), p.parent, what)
     if not p.is_dir():
         raise ConfigError(f"{what}: {p} does not exist (give a run directory or a .safetensors file)")
     if (p / MANIFEST_FILE).is_file():  # one checkpoint's directory
-        return _from_checkpoint(CheckpointManager(p.parent), p, what)
+        return _with_run_normalization(_from_checkpoint(CheckpointManager(p.parent), p, what), p.parent.parent, what)
     manager = CheckpointManager(p / "checkpoints")
     steps = manager.list()
     weights = p / WEIGHTS_FILE
     if not steps and not weights.is_file():
         raise ConfigError(f"{what}: {p} holds no weights (no {WEIGHTS_FILE}, no checkpoint in {p / 'checkpoints'})")
     if steps and (not weights.is_file() or int(steps[-1].name.split("-")[1]) > (_file_version(weights) or -1)):
-        return _from_checkpoint(manager, None, what)
-    return _from_file(weights, what)
+        return _with_run_normalization(_from_checkpoint(manager, None, what), p, what)
+    return _with_run_normalization(_from_file(weights, what), p, what)
 
 
 def fit_policy(policy: torch.nn.Module, stored: StoredWeights, name: str, what: str = "policy.init") -> None:
@@ -118,7 +155,16 @@ def fit_policy(policy: torch.nn.Module, stored: StoredWeights, name: str, what: 
         parts = [f"{label} {', '.join(keys[:_SHOWN])}{f' (and {len(keys) - _SHOWN} more)' if len(keys) > _SHOWN else ''}"
                  for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
         raise ConfigError(f"{fit}: {'; '.join(parts)}")
+    if stored.normalization is not None:
+        spec = getattr(policy, "spec", None)
+        if spec is not None:
+            try:
+                stored.normalization.check(spec.proprio_dim, spec.action_dim, f"{what}: {stored.path}")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
     policy.load_state_dict(stored.tensors)
+    if stored.normalization is not None:
+        policy.normalizer = stored.normalization
 
 
 def load_init(policy: torch.nn.Module, path: str | Path, name: str) -> str:

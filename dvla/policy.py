@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from dvla.config import ConfigError, from_dict, validate
 from dvla.distributions import ActionDistribution, ExtraSpec
+from dvla.normalize import Normalizer
 from dvla.tokenizers import HashTokenizer, Tokenizer, tokenize
 from dvla.types import Observation
 
@@ -91,6 +92,10 @@ class VLAPolicy(nn.Module, ABC):
     registry_name: ClassVar[str | None] = None
     has_value_head: bool = False
     """Set to True when ``forward`` returns a value estimate (PPO needs one)."""
+    normalizer: Normalizer | None = None
+    """The dataset statistics the policy was trained with (``dvla sft``, :mod:`dvla.normalize`):
+    proprio normalised where observations enter, actions mapped between the env's space and
+    the heads'. None: inputs and actions as they are."""
 
     def __init_subclass__(cls, abstract: bool = False, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -112,7 +117,7 @@ class VLAPolicy(nn.Module, ABC):
             )
 
     _API = ("forward", "prepare", "preprocess", "act", "evaluate", "value", "estimate_value", "optim_groups",
-            "rollout_extras", "device")
+            "rollout_extras", "device", "imitation_loss", "model_inputs", "model_actions")
 
     def __setattr__(self, name: str, value: Any) -> None:
         # nn.Module keeps a submodule in ``_modules``, where attribute lookup never reaches a
@@ -175,6 +180,19 @@ class VLAPolicy(nn.Module, ABC):
         trajectories keep the env's raw uint8 images. Default: none."""
         return obs
 
+    def imitation_loss(self, obs: Observation, actions: Tensor,
+                       action_valid: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """The supervised loss of demonstrated chunks (``dvla sft``) and its stats to log:
+        ``actions`` (B, K, D) as the dataset holds them (the env's space), ``action_valid``
+        (B, K) false past an episode's end. Default: the head's
+        :meth:`~dvla.distributions.ActionDistribution.imitation_loss` (the negative
+        log-likelihood of the chunk for Gaussian, binned and token heads, conditional flow
+        matching for the flow head) on the normalised observation and actions. A model
+        overrides it for a loss of its own; :meth:`model_inputs` and :meth:`model_actions`
+        give what the heads see."""
+        out = self(self.model_inputs(obs))
+        return out.dist.imitation_loss(self.model_actions(actions, clamp=True), action_valid)
+
     def rollout_extras(self) -> dict[str, ExtraSpec]:
         """What the head's :meth:`~dvla.distributions.ActionDistribution.draw` records beside
         each decision's actions (e.g. ``{"action_tokens": ExtraSpec((K * D,), torch.int64)}``).
@@ -215,6 +233,22 @@ class VLAPolicy(nn.Module, ABC):
             obs = dataclasses.replace(obs, cameras={c: obs.cameras[c] for c in self.cameras_used})
         return obs.to(self.device)
 
+    def model_inputs(self, obs: Observation) -> Observation:
+        """What ``forward`` gets: ``obs`` prepared, its proprio normalised (:attr:`normalizer`)
+        and preprocessed."""
+        obs = self.prepare(obs)
+        if self.normalizer is not None:
+            obs = dataclasses.replace(obs, proprio=self.normalizer.proprio(obs.proprio))
+        return self.preprocess(obs)
+
+    def model_actions(self, actions: Tensor, clamp: bool = False) -> Tensor:
+        """Env actions -> the heads' space (:attr:`normalizer`; ``clamp``: into [-1, 1], for
+        demonstrations beyond the normalisation's quantile bounds)."""
+        if self.normalizer is None:
+            return actions
+        actions = self.normalizer.actions(actions.to(self.device))
+        return actions.clamp(-1.0, 1.0) if clamp else actions
+
     @torch.no_grad()
     def act(
         self,
@@ -223,8 +257,9 @@ class VLAPolicy(nn.Module, ABC):
         generator: torch.Generator | None = None,
     ) -> ActOutput:
         """Choose action chunks for a batch (rollout path): actions, their log-probs
-        under this policy and value estimates."""
-        obs = self.preprocess(self.prepare(obs))
+        under this policy and value estimates (the actions in the env's space: see
+        :attr:`normalizer`)."""
+        obs = self.model_inputs(obs)
         with self._autocast():
             out = self(obs)
             draw = out.dist.draw(deterministic, generator)
@@ -235,7 +270,8 @@ class VLAPolicy(nn.Module, ABC):
         if draw.extras.keys() != want.keys():
             raise RuntimeError(f"{type(self).__qualname__}: the head drew extras {sorted(draw.extras)}, "
                                f"rollout_extras() declares {sorted(want)}")
-        return ActOutput(actions=draw.actions, log_probs=draw.log_prob, values=values,
+        actions = draw.actions if self.normalizer is None else self.normalizer.unactions(draw.actions)
+        return ActOutput(actions=actions, log_probs=draw.log_prob, values=values,
                          log_prob_elements=draw.elements, extras=draw.extras)
 
     def evaluate(self, obs: Observation, actions: Tensor, action_valid: Tensor | None = None,
@@ -245,8 +281,9 @@ class VLAPolicy(nn.Module, ABC):
         episode had ended); ``ratio`` is the granularity of the log-probs: ``joint`` (B,),
         ``step`` (B, K) or ``dim`` (B, K, D) (see :func:`chunk_log_probs`); ``extras``: what
         the rollout recorded beside the actions (:meth:`rollout_extras`)."""
-        obs = self.preprocess(self.prepare(obs))
+        obs = self.model_inputs(obs)
         out = self(obs)
+        actions = self.model_actions(actions)
         return EvalOutput(log_probs=chunk_log_probs(out.dist, actions, action_valid, ratio, extras),
                           entropy=out.dist.entropy(extras), values=self._value(out, obs))
 
@@ -254,7 +291,7 @@ class VLAPolicy(nn.Module, ABC):
     def value(self, obs: Observation) -> Tensor:
         """Value estimates ``(B,)`` (zeros without a value head): :meth:`estimate_value`'s
         where it gives them (no forward pass), else ``forward``'s."""
-        obs = self.preprocess(self.prepare(obs))
+        obs = self.model_inputs(obs)
         with self._autocast():
             value = self.estimate_value(obs)
             if value is None:

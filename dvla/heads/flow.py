@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from dvla.distributions import ActionDistribution, Draw, Extras, ExtraSpec
+from dvla.distributions import ActionDistribution, Draw, Extras, ExtraSpec, masked_step_mean
 
 CHAIN = "chain"
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
@@ -234,6 +234,24 @@ class FlowChainDistribution(ActionDistribution):
         for i in range(n):
             elements = elements + self._transition_log_prob(nexts[:, i], self.mean_of_next(chain[:, i], i))
         return elements
+
+    def imitation_loss(self, actions: Tensor, valid: Tensor | None = None,
+                       generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, float]]:
+        """Conditional flow matching (``dvla sft``): per decision a time ``t ~ U(0, 1)`` and
+        noise ``x0 ~ N(0, I)``, ``x_t = (1 - t) x0 + t a`` (0 is the noise, 1 the data, as the
+        chain runs) and the squared error of ``v(x_t, t, cond)`` to the straight path's
+        velocity ``a - x0``, averaged over the action dimensions and the ``valid`` steps. It
+        trains the velocity model only (the chain's noise ``sigma`` is RL's)."""
+        a = actions.float()
+        b = a.shape[0]
+        where = generator.device if generator is not None else a.device
+        t = torch.rand(b, generator=generator, device=where).to(a.device)
+        x0 = torch.randn(a.shape, generator=generator, device=where).to(a.device)
+        tt = t.view(b, 1, 1)
+        v = self.head.velocity((1 - tt) * x0 + tt * a, t, self.cond)
+        err = (v.float() - (a - x0)).pow(2).mean(-1)
+        loss = masked_step_mean(err, valid)
+        return loss, {"flow_mse": float(loss.detach())}
 
     def entropy(self, extras: Extras | None = None) -> Tensor:
         """The transitions' entropy (of the chain given ``x_0``), per decision: it depends on

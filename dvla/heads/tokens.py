@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from dvla.distributions import ActionDistribution, Draw, Extras, ExtraSpec
+from dvla.distributions import ActionDistribution, Draw, Extras, ExtraSpec, masked_step_mean
 
 TOKENS = "action_tokens"
 
@@ -77,6 +77,12 @@ class TokenActionHead(nn.Module):
         """Bin centres of action tokens ``(B, K * D)`` -> actions ``(B, K, D)``."""
         idx = (tokens - self.first_bin).float()
         return (idx * (2.0 / (self.n_bins - 1)) - 1.0).reshape(tokens.shape[0], self.k, self.d)
+
+    def to_tokens(self, actions: Tensor) -> Tensor:
+        """Actions ``(B, K, D)`` -> the tokens of their nearest bins ``(B, K * D)`` (values
+        outside [-1, 1] take the end bins)."""
+        idx = torch.round((actions.float() + 1.0) * ((self.n_bins - 1) / 2.0)).clamp_(0, self.n_bins - 1).long()
+        return idx.reshape(actions.shape[0], -1) + self.first_bin
 
     def forward(self, lm: nn.Module, prefix: Tensor, prefix_mask: Tensor) -> TokenActionDistribution:
         return TokenActionDistribution(self, lm, prefix, prefix_mask)
@@ -169,6 +175,13 @@ class TokenActionDistribution(ActionDistribution):
         log_p = self.bin_log_probs(tokens)
         chosen = log_p.gather(-1, (tokens - self.head.first_bin).clamp(0, self.head.n_bins - 1).unsqueeze(-1))
         return chosen.squeeze(-1).reshape(-1, self.head.k, self.head.d)
+
+    def imitation_loss(self, actions: Tensor, valid: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+        """The demonstrated chunk's tokens (its actions' bins) scored with teacher forcing:
+        their negative log-likelihood per valid chunk step, as the default's."""
+        tokens = self.head.to_tokens(actions)
+        nll = -masked_step_mean(self.log_prob_elements(actions, {TOKENS: tokens}).sum(-1), valid)
+        return nll, {"nll": float(nll.detach())}
 
     def entropy(self, extras: Extras | None = None) -> Tensor:
         """Summed entropy of the positions' bin distributions (autoregressive: given the
