@@ -1,14 +1,17 @@
 """Shared fixtures, and how the suite runs in parallel.
 
-``python -m pytest -q`` (the README's command, and ``-m "not slow"``) runs the tests on two
+``python -m pytest -q`` (the README's command, and ``-m "not slow"``) runs the tests on three
 pytest-xdist workers (``-n auto --dist loadgroup`` in pyproject.toml; ``-n 0`` runs them in
-this process). ``-n auto`` means two workers where the run takes the whole suite on a machine
+this process). ``-n auto`` means three workers where the run takes the whole suite on a machine
 of two cores or more, none where files or tests are named on the command line (a single test
-under a debugger, bench/gpu_suite.sh's GPU tests) or there is one core.
+under a debugger, bench/gpu_suite.sh's GPU tests) or there is one core. Three on two cores:
+many tests wait more than they compute (the soak's learner, stragglers made slow by sleeping,
+rank failures detected by timeouts), and a third worker computes meanwhile (9 min 11 s for the
+suite with three, 11 min 15 s with two, on 2 cores; CPU time alike).
 
 On the workers: tests that share an expensive set-up (a genesis or LIBERO scene, a set of
 spawned ranks) carry ``xdist_group`` marks, so one worker builds it once; a test marked
-``alone`` runs while no other test runs (the other worker waits between its tests): wall-clock
+``alone`` runs while no other test runs (the others wait between their tests): wall-clock
 bounds of milliseconds and async learning runs whose thresholds were measured on an otherwise
 idle machine.
 """
@@ -102,7 +105,7 @@ def two_hosts():
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: see the module's docstring."""
     whole_suite = config.args_source == pytest.Config.ArgsSource.TESTPATHS
-    return 2 if whole_suite and len(os.sched_getaffinity(0)) >= 2 else 0
+    return 3 if whole_suite and len(os.sched_getaffinity(0)) >= 2 else 0
 
 
 @pytest.hookimpl(trylast=True)
