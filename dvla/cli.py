@@ -25,6 +25,7 @@ its latest run.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -233,20 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         return evaluate(resolved)
     if cmd == "keys":
         return keys_main(rest)
-    if cmd == "record":
+    if cmd in ("record", "sft"):  # both read or write datasets: pyarrow, h5py
         try:
-            from dvla.datasets.record import main as record
-        except ImportError as exc:  # pyarrow, h5py
-            print(f"dvla record: error: needs the data extra (pip install -e \".[data]\"): {exc}", file=sys.stderr)
+            entry = importlib.import_module("dvla.datasets.record" if cmd == "record" else "dvla.sft").main
+        except ImportError as exc:
+            print(f"dvla {cmd}: error: needs the data extra (pip install -e \".[data]\"): {exc}", file=sys.stderr)
             return 2
-        return record(rest)
-    if cmd == "sft":
-        try:
-            from dvla.sft import main as sft
-        except ImportError as exc:  # pyarrow, h5py
-            print(f"dvla sft: error: needs the data extra (pip install -e \".[data]\"): {exc}", file=sys.stderr)
-            return 2
-        return sft(rest)
+        return entry(rest)
     if cmd == "check-policy":
         from dvla.contract import main as check_policy
 
