@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 
 import torch
@@ -23,17 +22,8 @@ import torch
 from dvla.config import EnvConfig
 from dvla.envs import make_env
 from dvla.envs.libero_env import EVAL_STEPS, LiberoTasks
+from dvla.eval_stats import wilson
 from dvla.envs.libero_expert import LiberoExpert, run_episodes
-
-
-def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate ``k / n``."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    mid = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, mid - half), min(1.0, mid + half)
 
 
 def run_task(suite: str, task: int, episodes: int, n_envs: int, workers: int, steps: int, seed: int) -> dict:
