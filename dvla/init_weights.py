@@ -9,12 +9,15 @@ policy name recorded with them and every tensor's name and shape. Every problem 
 :class:`~dvla.config.ConfigError` line that names the path and what does not fit.
 
 The normalisation an SFT run trained with (:mod:`dvla.normalize`: the ``normalization`` entry
-of the weights' metadata, else ``normalization.json`` in the run directory) comes with the
-weights, and :func:`fit_policy` installs it as ``policy.normalizer``.
+of the weights' metadata or of a checkpoint's manifest, else ``normalization.json`` in the run
+directory, else, for a run that records none, that of the run its ``policy.init`` names) comes
+with the weights, and :func:`fit_policy` installs it as ``policy.normalizer``. An RL run stores
+it in all three places itself; :func:`resumed_normalization` is what ``run.resume`` restores.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,26 +88,48 @@ def _normalization(text: str, where: Path, what: str) -> Normalizer:
         raise ConfigError(f"{what}: {where} holds an unreadable normalisation ({_one_line(exc)})") from None
 
 
+def _manifest_normalization(manifest: dict, where: Path, what: str) -> Normalizer | None:
+    """The ``normalization`` entry of a checkpoint's manifest (an RL run's: its text, or null
+    where the run had none); None where it has no such entry."""
+    text = manifest.get(NORM_KEY)
+    if text is None:
+        return None
+    if not isinstance(text, str):
+        raise ConfigError(f"{what}: {where} holds an unreadable normalisation (a {type(text).__name__}, not "
+                          "the text of a normalisation record)")
+    return _normalization(text, where, what)
+
+
+def _config_init(run: Path) -> str | None:
+    """``policy.init`` of the run's ``config.yaml`` (None: unset or unreadable)."""
+    import yaml
+
+    try:
+        return ((yaml.safe_load((run / "config.yaml").read_text()) or {}).get("policy") or {}).get("init")
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+
+
+def _init_normalization(init: str | None, run: Path, what: str, depth: int) -> Normalizer | None:
+    """The normalisation of the run ``init`` (a run's ``policy.init``) names, where it exists."""
+    src = resolve_run_arg(Path(init).expanduser()) if init and depth < 4 else None
+    if src is None or not src.exists():
+        return None
+    src_run = src.parent if src.is_file() else src.parent.parent if (src / MANIFEST_FILE).is_file() else src
+    if src_run.resolve() == run.resolve():
+        return None
+    return _with_run_normalization(StoredWeights(src, {}, None, None), src_run, what, depth + 1).normalization
+
+
 def _with_run_normalization(stored: StoredWeights, run: Path, what: str, depth: int = 0) -> StoredWeights:
     """``stored`` with ``run/normalization.json`` where its weights carry none, else with the
-    normalisation of the run it started from (its config's ``policy.init``: an RL run after
-    SFT), where that still exists."""
+    normalisation of the run it started from (its config's ``policy.init``: a run written
+    before RL runs kept their own), where that still exists."""
     f = run / NORM_FILE
     if stored.normalization is None and f.is_file():
         stored.normalization = _normalization(f.read_text(), f, what)
-    if stored.normalization is None and depth < 4 and (run / "config.yaml").is_file():
-        import yaml
-
-        try:
-            init = ((yaml.safe_load((run / "config.yaml").read_text()) or {}).get("policy") or {}).get("init")
-        except (OSError, yaml.YAMLError, AttributeError):
-            init = None
-        src = resolve_run_arg(Path(init).expanduser()) if init else None
-        if src is not None and src.exists():
-            src_run = src.parent if src.is_file() else src.parent.parent if (src / MANIFEST_FILE).is_file() else src
-            if src_run.resolve() != run.resolve():
-                stored.normalization = _with_run_normalization(
-                    StoredWeights(src, {}, None, None), src_run, what, depth + 1).normalization
+    if stored.normalization is None and (run / "config.yaml").is_file():
+        stored.normalization = _init_normalization(_config_init(run), run, what, depth)
     return stored
 
 
@@ -114,12 +139,43 @@ def _from_checkpoint(manager: CheckpointManager, path: Path | None, what: str) -
     except CheckpointError as exc:
         raise ConfigError(f"{what}: {_one_line(exc)}") from None
     name = ((ck.manifest.get("config") or {}).get("policy") or {}).get("name")
-    return StoredWeights(ck.path, section(ck.tensors, "policy/"), name, int(ck.step))
+    return StoredWeights(ck.path, section(ck.tensors, "policy/"), name, int(ck.step),
+                         _manifest_normalization(ck.manifest, ck.path, what))
+
+
+def resumed_normalization(manifest: dict, checkpoint: Path, run: Path, what: str = "run.resume") -> Normalizer | None:
+    """The normalisation a run resumed from ``checkpoint`` (its ``manifest``) acts with: the
+    one the checkpoint records (None where it records that the run had none). A checkpoint
+    written before checkpoints carried it: ``run/normalization.json``, else that of the run
+    ``policy.init`` named. A damaged record, or an older checkpoint whose sources are gone, is
+    a one-line ConfigError (a resume must not go on without the normalisation it trained with)."""
+    if NORM_KEY in manifest:
+        return _manifest_normalization(manifest, checkpoint, what)
+    f = run / NORM_FILE
+    if f.is_file():
+        return _normalization(f.read_text(), f, what)
+    init = ((manifest.get("config") or {}).get("policy") or {}).get("init")
+    norm = _init_normalization(init, run, what, 0)
+    if norm is None and init and not resolve_run_arg(Path(init).expanduser()).exists():
+        raise ConfigError(f"{what}: {checkpoint} records no normalisation (written before checkpoints carried it), "
+                          f"and neither {run / NORM_FILE} nor policy.init's {init} is there to give it; copy the "
+                          f"{NORM_FILE} of the run it started from into {run} (one holding {{}} if that run had none)")
+    return norm
 
 
 def read_weights(path: str | Path, what: str = "policy.init") -> StoredWeights:
     """The weights ``path`` names (see the module's docstring); ``what`` starts every error."""
     p = resolve_run_arg(Path(path).expanduser())
+    if p.is_file() and (p.parent / MANIFEST_FILE).is_file():  # a checkpoint's tensors: its manifest's normalisation
+        stored = _from_file(p, what)
+        if stored.normalization is None:
+            try:
+                manifest = json.loads((p.parent / MANIFEST_FILE).read_text())
+            except (OSError, ValueError):
+                manifest = {}
+            stored.normalization = _manifest_normalization(manifest if isinstance(manifest, dict) else {}, p.parent,
+                                                           what)
+        return _with_run_normalization(stored, p.parent.parent, what)
     if p.is_file():
         return _with_run_normalization(_from_file(p, what), p.parent, what)
     if not p.is_dir():

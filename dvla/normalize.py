@@ -17,17 +17,27 @@ A :class:`Normalizer` is kept beside the policy (``policy.normalizer``, not in i
 dict): ``dvla sft`` writes it into ``weights.safetensors``' metadata (key
 ``normalization``) and ``normalization.json`` in its run directory, and
 :func:`dvla.init_weights.fit_policy` (``policy.init``, ``dvla eval``) installs it again.
+An RL run keeps it as part of its state: every rank installs it at start-up (rank 0 sends it,
+:func:`swimlane.build.share_normalization`), and the run writes its own ``normalization.json``
+and the same metadata entry into its weights and checkpoints (their manifest), from which a
+resume restores it (:func:`dvla.init_weights.resumed_normalization`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import secrets
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
+
+from dvla.atomic_io import fsync_dir, fsync_file
 
 MIN_STD = 1e-3
 MIN_HALF_RANGE = 1e-4
@@ -98,6 +108,25 @@ class Normalizer:
         d = {k: getattr(self, k).tolist() for k in ("proprio_mean", "proprio_std", "action_center",
                                                     "action_half_range") if getattr(self, k) is not None}
         return json.dumps(d)
+
+    def digest(self) -> str:
+        """A short hash of :meth:`to_json`: ranks that hold the same normalisation report the
+        same digest (a run's summaries)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def save(self, path) -> None:
+        """Write :meth:`to_json` to ``path`` (``normalization.json``) so that a crash leaves the
+        old file or the complete new one (a temporary file, fsynced, renamed)."""
+        path = Path(path)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        try:
+            tmp.write_text(self.to_json())
+            fsync_file(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
 
     @classmethod
     def from_json(cls, text: str) -> "Normalizer":

@@ -3,9 +3,9 @@
 :func:`assemble` is the only caller of the builders in :mod:`swimlane.build`, and calls
 them in the order their parts depend on each other: memory pools and streams, process
 groups, envs, policy and algorithm, the starting state (a resumed checkpoint, agreed by
-every learner), the imbalance planner, weight buffers, learner sharding, the data plane
-and the learners' order of collectives. :class:`swimlane.rank.RankLanes` wires the parts
-to its lanes.
+every learner; the normalisation, sent to every rank), the imbalance planner, weight
+buffers, learner sharding, the data plane and the learners' order of collectives.
+:class:`swimlane.rank.RankLanes` wires the parts to its lanes.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from swimlane.build import (
     persistent_alloc,
     place_ranks,
     prepare_learner,
+    share_normalization,
 )
 from swimlane.checkpointing import Resumed, RunCheckpoints, resume_learner, truncate_metrics
 from swimlane.imbalance import RankBalance
@@ -110,6 +111,8 @@ def assemble(cfg: JobConfig, rank: int = 0, world_size: int = 1, data_plane: Dat
         generators = {"learn": model.learn_gen, **({"sample": model.sample_gen} if rank == 0 else {})}
         checkpoints = RunCheckpoints(manager, model.policy, model.algo, generators)
         resumed = _resume(cfg, checkpoints, rank, restarts, groups, placement, device)
+    # Every rank acts with rank 0's normalisation: installed before the replicas are copied.
+    share_normalization(cfg, model, rank, world_size, resumed if rank == 0 else None)
 
     # Imbalance between rollout ranks and who learns: measured by every learner, planned by
     # rank 0, the plan sent with each version (swimlane/imbalance.py, swimlane/roles.py).

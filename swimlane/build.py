@@ -1,6 +1,7 @@
 """What a rank builds before its lanes start: its place in the cluster, its memory pools,
-its process groups, its env groups, policy and algorithm, its weight buffers
-(double-buffered replicas, snapshot, broadcaster) and its ends of the data plane.
+its process groups, its env groups, policy and algorithm and the normalisation they act
+with, its weight buffers (double-buffered replicas, snapshot, broadcaster) and its ends of
+the data plane.
 Functions of the config and the rank's plan (:mod:`swimlane.plan`);
 :func:`swimlane.assemble.assemble` calls them in order."""
 
@@ -12,6 +13,7 @@ import os
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -19,9 +21,10 @@ import torch.distributed as dist
 
 from dvla.algos import build_algorithm
 from dvla.config import ConfigError, JobConfig, SwimlaneConfig
-from dvla.distributed import allreduce_mean_grads
+from dvla.distributed import allreduce_mean_grads, broadcast_json
 from dvla.envs import env_spec, make_env
-from dvla.init_weights import load_init
+from dvla.init_weights import load_init, resumed_normalization
+from dvla.normalize import Normalizer
 from dvla.policy import ExtraSpec, PolicySpec, build_policy
 from dvla.rollout import cameras_of
 from dvla.sharding import checkpoint_activations, shard_learner
@@ -194,7 +197,8 @@ def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Gr
     policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
     check_policy_io(policy, cfg.policy.name)
     if cfg.policy.init and rank == 0 and not cfg.run.resume:  # before the KL reference is copied (the algorithm)
-        log.info("%s", load_init(policy, cfg.policy.init, cfg.policy.name))  # others get rank 0's (agreement, v0)
+        # Others get rank 0's weights (agreement, v0) and normalisation (share_normalization).
+        log.info("%s", load_init(policy, cfg.policy.init, cfg.policy.name))
     envs += [make_env(env_cfg, device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, plan.env_groups)]
     algo = learn_gen = None
     if plan.learner:
@@ -215,6 +219,45 @@ def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Gr
         learn_gen = torch.Generator().manual_seed(seed + 2)
     sample_gen = torch.Generator(device=device).manual_seed(seed + 104729 * rank + 1)
     return Model(envs, policy, algo, sample_gen, learn_gen)
+
+
+def share_normalization(cfg: JobConfig, model: Model, rank: int, world: int, resumed=None) -> Normalizer | None:
+    """The normalisation (:mod:`dvla.normalize`) the run acts with, installed on every rank
+    before its replicas are copied: rank 0 resolves it (a fresh run: what ``policy.init``
+    brought, :func:`build_model`; a resume: what its checkpoint records,
+    :func:`dvla.init_weights.resumed_normalization`) and sends it to every rank as JSON over
+    the default group (another host need not see rank 0's files). Every rank installs it on
+    its policy and the KL reference, so that its replicas (copies of the policy) act with it;
+    a resume whose record is damaged stops every rank with rank 0's one-line error. Run by
+    every rank, after the learners resumed and agreed (:func:`swimlane.assemble.assemble`)."""
+    text = error = None
+    if rank == 0:
+        try:
+            norm = getattr(model.policy, "normalizer", None)
+            if resumed is not None:
+                norm = resumed_normalization(resumed.manifest, resumed.path, Path(cfg.run.out_dir))
+            spec = getattr(model.policy, "spec", None)
+            if norm is not None and spec is not None:
+                where = f"run.resume: {resumed.path}" if resumed is not None else f"policy.init: {cfg.policy.init}"
+                try:
+                    norm.check(spec.proprio_dim, spec.action_dim, where)
+                except ValueError as exc:
+                    raise ConfigError(str(exc)) from None
+            text = norm.to_json() if norm is not None else None
+        except ConfigError as exc:
+            error = str(exc)
+    if world > 1:  # (every rank, so none waits for the others when rank 0 cannot go on)
+        text, error = broadcast_json([text, error], src=0)
+    if error is not None:
+        raise ConfigError(error)
+    norm = Normalizer.from_json(text) if text is not None else None  # one value, exactly, on every rank
+    for module in (model.policy, getattr(model.algo, "reference", None)):
+        if module is not None:
+            module.normalizer = norm
+    if rank == 0 and norm is not None and (resumed is not None or world > 1):
+        log.info("normalisation %s (%s) on every rank", norm.digest(),
+                 f"from {resumed.path}" if resumed is not None else f"policy.init={cfg.policy.init}")
+    return norm
 
 
 def prepare_learner(cfg: JobConfig, algo, groups: Groups, memory: MemoryManager | None) -> None:

@@ -1,13 +1,14 @@
 """A run's checkpoints: what rank 0 saves (weights, the KL reference, optimizer and RNG
-state, counters, config) and what every learner restores on ``run.resume`` or after
-torchrun restarted its group (see :mod:`dvla.checkpoint` for the files)."""
+state, counters, config, the policy's normalisation) and what every learner restores on
+``run.resume`` or after torchrun restarted its group (see :mod:`dvla.checkpoint` for the
+files; the normalisation every rank then installs: :func:`swimlane.build.share_normalization`)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 
 from dvla.checkpoint import CheckpointManager, section
 from dvla.config import ConfigError
+from dvla.normalize import METADATA_KEY as NORM_KEY
 from dvla.sharding import full_tensor
 from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 
@@ -27,6 +29,7 @@ class Resumed:
     env_steps: int
     counters: dict[str, int]
     path: Path
+    manifest: dict[str, Any] = field(default_factory=dict, repr=False)  # the checkpoint's (its normalisation)
 
 
 class RunCheckpoints:
@@ -58,7 +61,9 @@ class RunCheckpoints:
                                    "written, stopping; the newest checkpoint holds the last good weights")
             if keep:
                 tensors[k] = whole.cpu() if whole is not v else v
-        return ({**tensors, **rng_t}, {"version": version, **manifest, "optimizer": opt_meta, "rng": rng_meta})
+        norm = getattr(self.policy, "normalizer", None)  # (dvla.normalize: null where the run has none)
+        return ({**tensors, **rng_t}, {"version": version, **manifest, "optimizer": opt_meta, "rng": rng_meta,
+                                       NORM_KEY: norm.to_json() if norm is not None else None})
 
     def save(self, version: int, manifest: dict[str, Any], write: bool = True) -> None:
         """Write version ``version``; ``manifest`` adds the run's own entries (counters,
@@ -80,7 +85,7 @@ class RunCheckpoints:
         self.load_weights(t)
         load_optimizer_state(self.algo.optimizer, t, m["optimizer"])
         set_rng_state(t, m["rng"], self.generators)
-        return Resumed(int(m["version"]), int(m["env_steps"]), m["counters"], path)
+        return Resumed(int(m["version"]), int(m["env_steps"]), m["counters"], path, m)
 
     def resume(self, restarts: int, required: bool = True) -> Resumed | None:
         """Load the newest valid checkpoint into the policy, reference, optimizer and

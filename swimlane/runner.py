@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from dvla.checkpoint import all_finite, save_weights, weights_digest
 from dvla.config import dump_yaml
+from dvla.normalize import FILE as NORM_FILE, METADATA_KEY as NORM_KEY
 from dvla.sharding import full_state_dict
 from swimlane.driver import LaneError, SerialDriver, ThreadedDriver
 from swimlane.rank import _POLL_S, RankLanes
@@ -115,6 +116,8 @@ class Swimlane(RankLanes):
         if self.rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.out_dir / "config.yaml")
+            if self.policy.normalizer is not None:  # the run's own copy (dvla eval, a resume of an older run)
+                self.policy.normalizer.save(self.out_dir / NORM_FILE)
         self._start_time = time.perf_counter()
         self._start_unix = time.time()  # the same moment on the wall clock (the report aligns ranks by it)
         if self.sl.driver == "serial":
@@ -226,13 +229,16 @@ class Swimlane(RankLanes):
                 summary["memory"]["transient_host"] = self.host_pool.stats().as_dict()
         if self.bc is not None:
             summary["broadcast_traffic"] = dict(self.bc.traffic)
+        acting = self.policy  # the normalisation this rank acts (or learns) with, as a digest
         if self.is_rollout:  # the newest weights this rank's inference replicas hold
             newest = max(range(2), key=lambda i: self.weights.versions[i])
+            acting = self.weights.replicas[newest]
             summary["replica_version"] = self.weights.versions[newest]
             summary["replica_digest"] = weights_digest(self.weights.replicas[newest])
             if self._sampling is not None:  # env groups that stepped at the end, and the chunks each sent
                 summary["env_groups_active"] = self._sampling.active
                 summary["chunks_by_group"] = [g.chunks for g in self._sampling.groups]
+        summary["normalization"] = acting.normalizer.digest() if acting.normalizer is not None else None
         if self.world_size > 1 and self.is_rollout:
             summary["data_route"] = {"learner": self.sink.learner,
                                      "transport": self.sink.sender.address.split("://")[0],  # as dialled
@@ -276,7 +282,9 @@ class Swimlane(RankLanes):
                             "version %d (the newest checkpoint in %s holds the last weights saved)", self.version,
                             self.last_good_version, self.out_dir / "checkpoints")
             else:
-                save_weights(self.policy, self.out_dir / "weights.safetensors", self.version, whole)
+                norm = self.policy.normalizer  # with the weights, as dvla sft stores it
+                save_weights(self.policy, self.out_dir / "weights.safetensors", self.version, whole,
+                             **({NORM_KEY: norm.to_json()} if norm is not None else {}))
             (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             attempts = self.out_dir / "attempts"  # one summary per attempt: torchrun restarts and resumes
             attempts.mkdir(exist_ok=True)
