@@ -9,13 +9,16 @@ Four ways to take the same number of env steps on one LIBERO task (``--suite``, 
   each env in turn, in this process: robosuite's controller, observables and cameras;
 * ``dvla``: :class:`dvla.envs.libero_env.LiberoEnv` with ``workers=0`` (the same envs in this
   process, plus dvla's batching, observation assembly and done bookkeeping);
-* ``dvla_workers``: the same with ``--workers`` spawned MuJoCo processes.
+* ``dvla_workers``: the same with ``--workers`` spawned MuJoCo processes;
+* ``dvla_workers_chunk`` (with ``--chunk K``): the same, stepping chunks of K actions as a
+  policy's decisions do, so that only each chunk's last step renders its cameras.
 
 Settings alternate (the order rotates per repeat); printed: env steps/s per setting and its
 ratio to ``libero`` and to ``mujoco`` (medians over repeats).
 
     python bench/libero_env.py --repeats 3 --steps 60
     python bench/libero_env.py --render --image-size 64 --wrist-size 64 --steps 20
+    python bench/libero_env.py --render --image-size 64 --steps 24 --chunk 4
 """
 
 from __future__ import annotations
@@ -53,11 +56,12 @@ def raw_rate(host: LiberoHost, steps: int, physics_only: bool, rng: np.random.Ge
     return steps * len(envs) / (time.perf_counter() - t0)
 
 
-def dvla_rate(env, steps: int, rng: np.random.Generator) -> float:
+def dvla_rate(env, steps: int, rng: np.random.Generator, chunk: int = 1) -> float:
     env.reset()
-    actions = torch.from_numpy(rng.uniform(-1, 1, (steps, env.n_envs, 1, 7))).float()
+    steps = -(-steps // chunk) * chunk
+    actions = torch.from_numpy(rng.uniform(-1, 1, (steps // chunk, env.n_envs, chunk, 7))).float()
     t0 = time.perf_counter()
-    for s in range(steps):
+    for s in range(steps // chunk):
         env.step(actions[s])
     return steps * env.n_envs / (time.perf_counter() - t0)
 
@@ -73,6 +77,7 @@ def main() -> None:
     p.add_argument("--render", action="store_true", help="cameras on (agentview, and the wrist with --wrist-size)")
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--wrist-size", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=1, help="also step the workers' envs in chunks of this many actions")
     args = p.parse_args()
     torch.set_num_threads(1)
     opts = {"suite": args.suite, "task_ids": [args.task], "wrist_size": args.wrist_size, "settle_steps": 0}
@@ -80,22 +85,27 @@ def main() -> None:
                     render=args.render, options=opts)
     envs = {"dvla": make_env(cfg),
             "dvla_workers": make_env(dataclasses.replace(cfg, options={**opts, "workers": args.workers}))}
-    host = envs["dvla"].hosts[0].host  # LIBERO's own envs, driven directly for the baselines
+    # LIBERO's own envs, driven directly for the baselines (rendering in every step: these
+    # envs are only ever stepped one action at a time, after a reset that leaves them live)
+    host = envs["dvla"].hosts[0].host
     names = ["mujoco", "libero", "dvla", "dvla_workers"]
+    if args.chunk > 1:
+        envs["dvla_workers_chunk"] = envs["dvla_workers"]
+        names.append("dvla_workers_chunk")
+    rate = (lambda n, steps: dvla_rate(envs[n], steps, rng, args.chunk if n.endswith("chunk") else 1)
+            if n.startswith("dvla") else raw_rate(host, steps, n == "mujoco", rng))
     got: dict[str, list[float]] = {n: [] for n in names}
     rng = np.random.default_rng(0)
     try:
         for n in names:  # warm-up: numba kernels, first renders
-            dvla_rate(envs[n], 3, rng) if n.startswith("dvla") else raw_rate(host, 3, n == "mujoco", rng)
+            rate(n, 3)
         for i in range(args.repeats):
             order = names[i % len(names):] + names[:i % len(names)]
             for n in order:
-                rate = (dvla_rate(envs[n], args.steps, rng) if n.startswith("dvla")
-                        else raw_rate(host, args.steps, n == "mujoco", rng))
-                got[n].append(rate)
+                got[n].append(rate(n, args.steps))
             print(f"repeat {i}: " + ", ".join(f"{n} {got[n][-1]:.1f}" for n in names) + " env steps/s", flush=True)
     finally:
-        for env in envs.values():
+        for env in set(envs.values()):
             env.close()
     med = {n: statistics.median(v) for n, v in got.items()}
     what = f"{args.image_size} px" + (f" + wrist {args.wrist_size} px" if args.wrist_size else "") \

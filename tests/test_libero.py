@@ -89,6 +89,40 @@ def test_success_predicate_fires_on_a_scripted_state(rendered):
     assert res.reward.tolist() == [1.0, 0.0]
 
 
+@pytest.mark.xdist_group("libero_rendered")
+@pytest.mark.slow
+def test_a_chunk_renders_its_last_step_only_at_the_substep_robosuite_samples(rendered):
+    """Inside a chunk no camera renders (no policy reads those frames). The chunk's last step
+    renders at the simulation substep robosuite's own sampling renders every step at (when
+    stepping one action at a time), and that frame is the observation."""
+    host = rendered.hosts[0].host
+    actions = torch.zeros(2, 4, 7)
+    actions[:, :, 0], actions[:, :, 2], actions[:, :, 6] = 0.8, -0.5, 1.0  # move and close
+    frames = []  # (env, simulation time, frame) of every frame rendered
+    for j, env in enumerate(host.envs):
+        camera, sim = env.env._observables["agentview_image"]._sensor, env.env.sim
+        camera.sensor = (lambda j, sensor, sim: lambda cache: frames.append((j, sim.data.time, sensor(cache)))
+                         or frames[-1][2])(j, camera.sensor, sim)
+    dt = host.envs[0].env.control_timestep
+    for chunked in (True, False):
+        rendered.reset()
+        t0 = host.envs[0].env.sim.data.time
+        frames.clear()
+        if chunked:
+            obs = rendered.step(actions).obs
+        else:
+            for k in range(4):
+                obs = rendered.step(actions[:, k:k + 1]).obs
+        times = sorted({round(t - t0, 6) for j, t, _ in frames if j == 0})
+        rendered_at = [round(k * dt - host.envs[0].env.model_timestep, 6) for k in range(1, 5)]
+        assert times == (rendered_at[-1:] if chunked else rendered_at), (chunked, times)
+        assert len(frames) == (2 if chunked else 8)
+        last = torch.from_numpy(np.ascontiguousarray(frames[-2 if frames[-1][0] == 1 else -1][2][::-1, ::-1]))
+        assert torch.equal(obs.image[0], last.permute(2, 0, 1))  # the observation is that frame, upright
+    start = rendered.reset()
+    assert not torch.equal(rendered.step(actions).obs.image, start.image)  # the arm moved in the picture
+
+
 @pytest.mark.slow
 def test_groups_start_alike_and_restart_alone():
     """GRPO groups start from one of the task's fixed initial states each; on its own clock

@@ -115,6 +115,12 @@ class BatchedEnv(ABC):
     def _step_action(self, action: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Apply one action ``(B, D)``; return ``(reward, terminated, truncated, success)``."""
 
+    def _step_unobserved(self, action: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Apply one action inside a chunk, whose observation nobody reads (only the chunk's
+        last is observed): :meth:`_step_action` unless the env can skip work for it (rendering
+        camera frames)."""
+        return self._step_action(action)
+
     @abstractmethod
     def _observe(self) -> Observation:
         """The current batched observation."""
@@ -151,8 +157,9 @@ class BatchedEnv(ABC):
         actions = actions.to(self.device).clamp(-1.0, 1.0)
         # The first action starts the sums (small tensor ops are most of a cheap step's cost).
         # An env ends at most once per chunk: what ended and did not terminate was truncated.
+        last = actions.shape[1] - 1
         for k in range(actions.shape[1]):
-            r, te, tr, su = self._step_action(actions[:, k])
+            r, te, tr, su = self._step_action(actions[:, k]) if k == last else self._step_unobserved(actions[:, k])
             live = ~self._done
             te, ended = te & live, (te | tr) & live
             if k == 0:

@@ -202,12 +202,15 @@ class LiberoEnv(BatchedEnv):
     def _reset_envs(self, envs: Tensor, group_size: int) -> None:
         self._reset_indices(envs.tolist(), group_size)
 
-    def _step_action(self, action: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    def _step_action(self, action: Tensor, observe: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         a = action.detach().to("cpu", torch.float64).numpy()
-        out = self._call("step", [(a[lo:hi],) for lo, hi in self._slices])
+        out = self._call("step", [(a[lo:hi], observe) for lo, hi in self._slices])
         success = torch.from_numpy(np.concatenate([o["success"] for o in out])).to(self.device)
         reward = success.float() * self.cfg.success_reward
         return reward, success, torch.zeros_like(success), success
+
+    def _step_unobserved(self, action: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self._step_action(action, observe=False)  # no camera frames inside a chunk
 
     def _observe(self) -> Observation:
         parts = self._last

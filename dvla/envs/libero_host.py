@@ -116,6 +116,28 @@ def _solid_geoms(inner) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     return {name: tuple(np.array(x) for x in zip(*v)) for name, v in boxes.items()}
 
 
+class _LazyCamera:
+    """A robosuite camera sensor that renders only while ``live`` and otherwise hands back its
+    last frame: robosuite samples every camera in every step (at one fixed simulation substep),
+    but inside a chunk no policy reads the frames. A live step renders at the very substep
+    robosuite's own sampling does, so the frames are the ones LIBERO's own stepping gives."""
+
+    def __init__(self, sensor):
+        self.sensor, self.live, self.frame = sensor, True, None
+        self.__modality__ = sensor.__modality__  # robosuite reads a sensor's modality from it
+
+    def __call__(self, obs_cache):
+        if self.live or self.frame is None:
+            self.frame = self.sensor(obs_cache)
+        return self.frame
+
+    @classmethod
+    def install(cls, env, name: str) -> "_LazyCamera":
+        camera = cls(env._observables[name]._sensor)
+        env.modify_observable(name, "sensor", camera)
+        return camera
+
+
 class LiberoHost:
     """Some of the envs, stepped one after the other in one process (this one or a worker's).
     Every method returns plain numpy arrays, one row per env it holds."""
@@ -135,12 +157,11 @@ class LiberoHost:
         self.settle_steps = settle_steps
         self._states = {t: self.tasks.init_states(t) for t in set(task_ids)}
         self.envs = []
+        names, sizes = (["agentview", "robot0_eye_in_hand"], [image_size, wrist_size]) if wrist_size else \
+            (["agentview"], [image_size])
         for i, t in enumerate(task_ids):
             kw = dict(bddl_file_name=self.tasks.bddl(t), hard_reset=False, ignore_done=True)
             if render:
-                names, sizes = ["agentview"], [image_size]
-                if wrist_size:
-                    names, sizes = [*names, "robot0_eye_in_hand"], [*sizes, wrist_size]
                 env = OffScreenRenderEnv(camera_names=names, camera_heights=sizes, camera_widths=sizes,
                                          render_gpu_device_id=render_gpu, **kw)
             else:
@@ -149,6 +170,8 @@ class LiberoHost:
             env.reset()
             self.envs.append(env)
         self._obs = [None] * len(self.envs)
+        self._cameras = [[_LazyCamera.install(env.env, f"{n}_image") for n in names] if render else []
+                         for env in self.envs]
         self._settle = np.zeros(ACTION_DIM)
         self._settle[-1] = -1.0  # gripper open
 
@@ -156,21 +179,31 @@ class LiberoHost:
         """Restart env ``j`` from initial state ``k`` of its task, for each ``(j, k)``."""
         for j, k in items:
             env = self.envs[j]
+            self._render(j, self.settle_steps == 0)
             env.reset()
             obs = env.set_init_state(self._states[self.task_ids[j]][k])
-            for _ in range(self.settle_steps):
+            for i in range(self.settle_steps):
+                self._render(j, i == self.settle_steps - 1)
                 obs, _, _, _ = env.step(self._settle)
             self._obs[j] = obs
         return self.observe()
 
-    def step(self, actions: np.ndarray) -> dict[str, np.ndarray]:
+    def step(self, actions: np.ndarray, observe: bool = True) -> dict[str, np.ndarray]:
         """One action ``(n, 7)`` in each env; the observation and whether the task's goal holds
-        (LIBERO's own reward is that, 0 or 1; the env pays ``success_reward`` for it)."""
+        (LIBERO's own reward is that, 0 or 1; the env pays ``success_reward`` for it). With
+        ``observe=False`` (an action inside a chunk, whose observation no policy reads) the
+        cameras render nothing and the frames returned are the last observed step's."""
         success = np.zeros(len(self.envs), bool)
         for j, env in enumerate(self.envs):
+            self._render(j, observe)
             self._obs[j], _, _, _ = env.step(actions[j])
             success[j] = bool(env.check_success())
         return {**self.observe(), "success": success}
+
+    def _render(self, j: int, on: bool) -> None:
+        """Whether env ``j``'s cameras render in its next step (or reset)."""
+        for camera in self._cameras[j]:
+            camera.live = on
 
     def observe(self) -> dict[str, np.ndarray]:
         n, s, w = len(self.envs), self.image_size, self.wrist_size
