@@ -240,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError as exc:
             print(f"dvla {cmd}: error: needs the data extra (pip install -e \".[data]\"): {exc}", file=sys.stderr)
             return 2
+        if cmd == "sft":  # on the training launcher (also under torchrun: -m dvla.cli sft)
+            from dvla.launch import sft
+
+            return sft(rest)
         return entry(rest)
     if cmd == "check-policy":
         from dvla.contract import main as check_policy

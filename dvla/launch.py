@@ -2,6 +2,7 @@
 
     python -m dvla.launch --preset debug run.iterations=5
     torchrun --standalone --nproc_per_node=2 -m dvla.launch --preset fast_reach
+    torchrun --standalone --nproc_per_node=2 -m dvla.launch sft --data DATASET   (dvla sft, dvla.sft)
 
 Overrides are ``KEY=VALUE`` with dotted keys (``--env.n_envs=32`` works too); values
 are parsed as YAML. ``--config FILE.yaml`` is applied before the overrides.
@@ -268,8 +269,25 @@ def _abandon(code: int) -> NoReturn:
         os._exit(code)
 
 
+def sft(argv: list[str]) -> int:
+    """``dvla sft`` on the launcher (``torchrun ... -m dvla.launch sft --data ...``, and ``dvla
+    sft``): each rank's GPU narrowed first (:func:`see_own_gpu`), then :func:`dvla.sft.main`
+    joins the process group as a training run does."""
+    try:
+        see_own_gpu()
+    except ConfigError as exc:
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:
+            print(f"dvla sft: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    from dvla.sft import main as sft_main
+
+    return sft_main(argv)
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m dvla.launch") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sft"]:  # the supervised warm start, on the same launcher
+        return sft(argv[1:])
     local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     try:
         see_own_gpu()  # first: nothing may start CUDA before

@@ -1,24 +1,40 @@
 """``dvla sft``: supervised warm start of any policy on a demonstration dataset.
 
-    dvla sft --data DATASET [--preset P] [--config F.yaml] [--out BASE] [KEY=VALUE ...]
+    dvla sft --data DATASET [--preset P] [--config F.yaml] [--out BASE] [--resume] [KEY=VALUE ...]
+    torchrun --standalone --nproc_per_node=N -m dvla.launch sft --data DATASET [...]
 
 The policy (``policy.*``) is built for the preset's env (``env.*``: only its spec is needed,
 no simulator) and trained with its own imitation loss
 (:meth:`dvla.policy.VLAPolicy.imitation_loss`: the chunk's negative log-likelihood for
-Gaussian, binned and token heads, flow matching for flow heads) on minibatches of
+Gaussian, binned and token heads, flow matching for flow heads) on global minibatches of
 ``--batch-size`` random frames: each frame's observation and the chunk of
 ``policy.action_chunk`` actions from it (steps past the episode's end masked). Proprio and
 actions are normalised with the dataset's statistics (:mod:`dvla.normalize`;
 ``--action-norm none`` leaves actions as they are). ``run.iterations`` optimizer steps of
 AdamW (``algo.lr``, ``algo.weight_decay``, ``algo.lr_schedule`` / ``lr_warmup`` /
-``lr_horizon``, ``algo.max_grad_norm``), seeded with ``run.seed``.
+``lr_horizon``, ``algo.max_grad_norm``, ``algo.precision``), seeded with ``run.seed``.
+
+Under torchrun (``-m dvla.launch sft`` or ``-m dvla.cli sft``) every rank is a learner
+(``swimlane.learner_ranks`` is the world size): the process group is the RL launcher's (gloo
+on the CPU, NCCL and one GPU per rank on CUDA), every rank draws the same global minibatch
+(from ``run.seed``: the same batches whatever the number of ranks) and trains on its own
+share of it, and the gradients are averaged (:mod:`dvla.sft_learner`: a step equals the
+one-process step on the whole batch). ``algo.shard`` shards the model as it shards RL
+learners: ``auto`` (the default) and ``fsdp`` with FSDP2 over the ranks
+(:func:`dvla.sharding.shard_learner`), ``none`` replicates it and all-reduces the gradients.
 
 Like an RL run it writes its own run directory under ``--out`` (default
-``{run.out_dir}-sft``; ``BASE/latest`` points to it): ``config.yaml``, ``metrics.jsonl``
-(``loss``, the head's stats, ``lr``, ``grad_norm``, ``frames_per_s``), ``weights.safetensors``
-(with the policy's name, the version = steps done and the normalisation; also every
-``run.save_every`` steps), ``normalization.json`` and ``summary.json``. Start RL from it
-with ``policy.init=RUN_DIR``; ``dvla eval RUN_DIR`` scores it. Single process for now.
+``{run.out_dir}-sft``; ``BASE/latest`` points to it), from rank 0 only: ``config.yaml``,
+``metrics.jsonl`` (``loss``, the head's stats, ``lr``, ``grad_norm``, ``frames_per_s``),
+``weights.safetensors`` (the whole model, with the policy's name, the version = steps done and
+the normalisation), ``normalization.json``, ``summary.json`` and ``checkpoints/``: every
+``run.save_every`` steps and at the end, the model, the optimizer's state, the step and every
+rank's random generators (:mod:`dvla.sft_state`). ``--resume`` (or ``run.resume=true``)
+continues the latest run from its newest valid checkpoint, exactly as if it had not stopped
+(with more ``run.iterations`` it trains on). The console shows a progress bar, or with
+``run.progress=false`` one line per metrics row, and a line with the loss, frames/s and the
+time left every tenth of the run. Start RL from the run with ``policy.init=RUN_DIR``;
+``dvla eval RUN_DIR`` scores it.
 """
 
 from __future__ import annotations
@@ -30,208 +46,264 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from dvla.config import ConfigError, apply_overrides, load_yaml
-from dvla.types import MAIN_CAMERA, Observation
+from dvla.sft_data import Frames, GlobalBatches, load_frames, shard
+
+__all__ = ["Frames", "load_frames", "main", "train_sft"]
 
 
-@dataclass
-class Frames:
-    """Every frame of a dataset in memory (storage form), with its action chunk."""
-
-    images: dict[str, np.ndarray]  # camera -> (N, H, W, 3) uint8
-    proprio: np.ndarray  # (N, P) float32
-    chunks: torch.Tensor  # (N, K, D)
-    valid: torch.Tensor  # (N, K) bool
-    instructions: list[str]  # (N,)
-    episodes: int
-
-    def __len__(self) -> int:
-        return len(self.proprio)
-
-    def batch(self, idx: np.ndarray) -> tuple[Observation, torch.Tensor, torch.Tensor]:
-        def chw(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a[idx]).permute(0, 3, 1, 2).contiguous()
-
-        obs = Observation(image=chw(self.images[MAIN_CAMERA]), proprio=torch.from_numpy(self.proprio[idx]),
-                          instruction=[self.instructions[i] for i in idx],
-                          cameras={k: chw(v) for k, v in self.images.items() if k != MAIN_CAMERA})
-        t = torch.from_numpy(idx)
-        return obs, self.chunks[t], self.valid[t]
+@dataclasses.dataclass
+class Job:
+    data: str
+    batch_size: int = 64
+    action_norm: str = "bounds"
+    preset: str = "fast_reach"
 
 
-def load_frames(reader, k: int) -> Frames:
-    images: dict[str, list] = {}
-    proprio, chunks, valid, instr = [], [], [], []
-    for ep in reader:
-        for cam, a in ep.images.items():
-            images.setdefault(cam, []).append(a)
-        proprio.append(ep.proprio.astype(np.float32))
-        c, v = ep.action_chunks(k)
-        chunks.append(c)
-        valid.append(v)
-        instr += [ep.instruction] * len(ep)
-    if not proprio:
-        raise ConfigError("--data: the dataset holds no episodes")
-    return Frames({cam: np.concatenate(a) for cam, a in images.items()}, np.concatenate(proprio),
-                  torch.cat(chunks), torch.cat(valid), instr, len(proprio))
-
-
-def _device(cfg) -> torch.device:
-    from memory import runtime
-
-    if cfg.run.device == "auto":
-        return torch.device("cuda" if runtime.current().available() else "cpu")
-    if cfg.run.device.startswith("cuda") and not runtime.current().available():
-        raise ConfigError(f"run.device={cfg.run.device!r} but CUDA is not available on this machine")
-    return torch.device(cfg.run.device)
-
-
-def train_sft(cfg, data: str | Path, run_dir: Path, batch_size: int = 64, action_norm: str = "bounds",
+def train_sft(cfg, job: Job, frames: Frames, norm, run_dir: Path, resumed: bool, rank: int = 0, world: int = 1,
               log=print) -> dict:
-    """Train ``cfg``'s policy on the dataset ``data`` into ``run_dir``; the summary."""
-    from dvla.algos.guards import lr_factor
-    from dvla.algos.optim import param_groups
+    """Train ``cfg``'s policy on ``frames`` into ``run_dir`` (written by rank 0) on this rank of
+    ``world``; continues the run's newest checkpoint where ``resumed``. The summary."""
     from dvla.checkpoint import save_weights
     from dvla.config import dump_yaml
-    from dvla.datasets import open_dataset
     from dvla.envs import env_spec
     from dvla.init_weights import WEIGHTS_FILE
     from dvla.metrics import MetricsLogger
-    from dvla.normalize import FILE as NORM_FILE, METADATA_KEY, Normalizer
+    from dvla.normalize import FILE as NORM_FILE, METADATA_KEY
     from dvla.policy import PolicySpec, build_policy
+    from dvla.sft_learner import ImitationLearner, device_of, sharded
+    from dvla.sft_state import RANK_SEED, SFTCheckpoints, sft_check, truncate_metrics
+    from dvla.sharding import full_state_dict
+    from memory import runtime
 
-    torch.manual_seed(cfg.run.seed)
-    espec = env_spec(cfg.env)
-    reader = open_dataset(data, spec=espec)  # a DatasetError where it does not fit the env
-    k = cfg.policy.action_chunk
-    frames = load_frames(reader, k)
-    norm = Normalizer.from_stats(reader.stats(), action_norm)
-    device = _device(cfg)
-    policy = build_policy(cfg.policy.name, PolicySpec.for_env(espec, k), cfg.policy.options).to(device).train()
+    lead = rank == 0
+    device = device_of(cfg, world)
+    runtime.for_device(device).bind_thread()  # (on CUDA: the device runtime every CUDA call goes through)
+    torch.manual_seed(cfg.run.seed)  # the same weights on every rank
+    steps, k, size = cfg.run.iterations, cfg.policy.action_chunk, job.batch_size
+    policy = build_policy(cfg.policy.name, PolicySpec.for_env(env_spec(cfg.env), k), cfg.policy.options)
+    policy = policy.to(device).train()
     policy.normalizer = norm
-    groups = param_groups(policy)
-    for g in groups:
-        g.setdefault("lr", cfg.algo.lr)
-        g["base_lr"] = g["lr"]
-    opt = torch.optim.AdamW(groups, lr=cfg.algo.lr, weight_decay=cfg.algo.weight_decay)
-    params = [p for g in groups for p in g["params"]]
-    steps = cfg.run.iterations
-    run_dir.mkdir(parents=True, exist_ok=True)
-    dump_yaml(cfg, run_dir / "config.yaml")
-    (run_dir / NORM_FILE).write_text(norm.to_json())
-    meta = {METADATA_KEY: norm.to_json(), "sft_data": str(data)}
-
-    def save(version: int) -> None:
-        save_weights(policy, run_dir / WEIGHTS_FILE, version, **meta)
+    learner = ImitationLearner(cfg.algo, policy, world, horizon=steps)
+    ckpts = SFTCheckpoints(run_dir / "checkpoints", cfg.run.keep_checkpoints, rank, world, log)
+    norm_json = norm.to_json()
+    start = ckpts.resume(learner, sft_check(size, job.action_norm, len(frames), norm_json), cfg.run.seed) \
+        if resumed else 0
+    if start == 0 and rank:
+        torch.manual_seed(cfg.run.seed + RANK_SEED * rank)  # each rank's own noise
+    shards = "fsdp" if sharded(cfg, world) else "none"
+    learner.prepare(shards == "fsdp", cfg.policy.name)
+    meta = {METADATA_KEY: norm_json, "sft_data": str(job.data)}
+    manifest = {"config": cfg.to_dict(), METADATA_KEY: norm_json,
+                "sft": {"data": str(job.data), "batch_size": size, "action_norm": job.action_norm,
+                        "frames": len(frames), "episodes": frames.episodes, "world_size": world, "shard": shards}}
+    if lead:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, run_dir / "config.yaml")
+        (run_dir / NORM_FILE).write_text(norm_json)
+        truncate_metrics(run_dir / "metrics.jsonl", start)
 
     every = max(1, steps // 100)  # about 100 rows of metrics
-    metrics = MetricsLogger(run_dir, total=math.ceil(steps / every), progress=cfg.run.progress,
-                            tensorboard=cfg.run.tensorboard)
-    log(f"dvla sft: {cfg.policy.name} on {data}: {frames.episodes} episodes, {len(frames)} frames, "
-        f"{steps} steps of {batch_size}, into {run_dir}")
-    rng = np.random.default_rng(cfg.run.seed)
-    order, at = rng.permutation(len(frames)), 0
+    tick = max(1, steps // 10)  # a progress line every tenth of the run
+    metrics = MetricsLogger(run_dir, total=math.ceil(steps / every), enabled=lead, progress=cfg.run.progress,
+                            initial=start // every, tensorboard=cfg.run.tensorboard)
+    if lead:
+        log(f"dvla sft: {cfg.policy.name} on {job.data}: {frames.episodes} episodes, {len(frames)} frames, "
+            f"{steps} steps of {size} on {world} rank(s){' (FSDP)' if shards == 'fsdp' else ''}"
+            f"{f', from step {start}' if start else ''}, into {run_dir}")
+    batches = GlobalBatches(len(frames), size, cfg.run.seed)
+    batches.skip(start)
     acc: dict[str, float] = {}
-    start = last = time.perf_counter()
+    n_acc = 0
+    t0 = last = time.perf_counter()
     first_loss = final_loss = float("nan")
     try:
-        for step in range(steps):
-            if at + batch_size > len(order):
-                order, at = rng.permutation(len(frames)), 0
-            idx = order[at:at + batch_size]
-            at += batch_size
-            obs, chunks, valid = frames.batch(idx)
-            scale = lr_factor(cfg.algo.lr_schedule, step, cfg.algo.lr_horizon or steps, cfg.algo.lr_warmup)
-            for g in opt.param_groups:
-                g["lr"] = g["base_lr"] * scale
-            loss, stats = policy.imitation_loss(obs, chunks.to(device), valid.to(device))
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"dvla sft: the imitation loss is {float(loss)} at step {step}")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.algo.max_grad_norm)
-            opt.step()
-            final_loss = float(loss.detach())
-            first_loss = final_loss if step == 0 else first_loss
-            for name, v in {"loss": final_loss, **stats, "grad_norm": float(gnorm)}.items():
-                acc[name] = acc.get(name, 0.0) + float(v)
+        for step in range(start, steps):
+            idx = batches.next()
+            mine = shard(idx, rank, world)
+            obs, chunks, valid = frames.batch(mine)
+            share = frames.valid_steps(mine) / max(frames.valid_steps(idx), 1)
+            out = learner.imitation_step(obs, chunks.to(device), valid.to(device), share, step)
+            final_loss = out["loss"]
+            first_loss = final_loss if step == start else first_loss
+            for name, v in out.items():
+                if name != "lr":
+                    acc[name] = acc.get(name, 0.0) + float(v)
+            n_acc += 1
             done = step + 1
             if done % every == 0 or done == steps:
-                n = done % every or every
                 now = time.perf_counter()
-                metrics.log(step, {**{k_: v / n for k_, v in acc.items()}, "lr": cfg.algo.lr * scale,
-                                   "frames_per_s": n * len(idx) / max(now - last, 1e-9), "version": done})
-                acc, last = {}, now
-            if cfg.run.save_every and done % cfg.run.save_every == 0 and done < steps:
-                save(done)
+                metrics.log(step, {**{k_: v / n_acc for k_, v in acc.items()}, "lr": out["lr"],
+                                   "frames_per_s": n_acc * len(idx) / max(now - last, 1e-9), "version": done})
+                acc, n_acc, last = {}, 0, now
+            if lead and (done % tick == 0 or done == steps):
+                spent = time.perf_counter() - t0
+                rate = (done - start) / max(spent, 1e-9)
+                log(f"dvla sft: step {done}/{steps}: loss {final_loss:.4f}, {rate * len(idx):.0f} frames/s, "
+                    f"eta {(steps - done) / rate:.0f} s")
+            if (cfg.run.save_every and done % cfg.run.save_every == 0) or done == steps:
+                ckpts.save(done, learner, manifest)
     finally:
         metrics.close()
-    save(steps)
-    summary = {"kind": "sft", "steps": steps, "batch_size": batch_size, "data": str(data),
+    state = full_state_dict(learner.policy)  # (gathered from the shards: every rank)
+    if lead:
+        save_weights(learner.policy, run_dir / WEIGHTS_FILE, steps, state=state, **meta)
+    summary = {"kind": "sft", "steps": steps, "batch_size": size, "data": str(job.data),
                "episodes": frames.episodes, "frames": len(frames), "first_loss": first_loss,
-               "final_loss": final_loss, "wall_s": round(time.perf_counter() - start, 3),
-               "action_norm": action_norm, "policy": cfg.policy.name}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+               "final_loss": final_loss, "wall_s": round(time.perf_counter() - t0, 3),
+               "action_norm": job.action_norm, "policy": cfg.policy.name, "world_size": world, "shard": shards,
+               "resumed_from": start or None}
+    if lead:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-def main(argv: list[str]) -> int:
-    from dvla.datasets import DatasetError
+def parse(argv: list[str], world: int) -> tuple[object, Job, Path]:
+    """``(cfg, job, base directory)`` from the command line; a ConfigError for any mistake."""
     from dvla.envs import check_env_config
     from dvla.policy import policy_config
     from dvla.presets import PRESETS, get_preset
-    from dvla.rundir import new_run_dir
+    from memory import runtime
 
     p = argparse.ArgumentParser(prog="dvla sft", description="Supervised warm start: train a policy on a "
                                 "demonstration dataset with its imitation loss; writes a run directory that "
                                 "policy.init and dvla eval take. KEY=VALUE overrides as for dvla train "
-                                "(run.iterations: optimizer steps).")
+                                "(run.iterations: optimizer steps). Several ranks: torchrun ... -m dvla.launch sft.")
     p.add_argument("--data", required=True, help="a LeRobot dataset directory or LIBERO HDF5 demonstrations")
     p.add_argument("--preset", default="fast_reach", help=f"one of: {', '.join(PRESETS)} (default: %(default)s)")
     p.add_argument("--config", metavar="FILE.yaml", help="YAML file applied on top of the preset")
     p.add_argument("--out", help="base directory of the run (default: run.out_dir where it is overridden, "
                                  "else the preset's run.out_dir + '-sft')")
-    p.add_argument("--batch-size", type=int, default=64, help="frames per optimizer step (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=64, help="frames per optimizer step, over all ranks "
+                                                               "(default: %(default)s)")
     p.add_argument("--action-norm", choices=("bounds", "none"), default="bounds",
                    help="actions: the data's [q01, q99] onto [-1, 1] (bounds, default) or as they are (none)")
+    p.add_argument("--resume", action="store_true", help="continue the latest run under the base directory "
+                   "from its newest valid checkpoint (same as run.resume=true)")
     a, rest = p.parse_known_args(argv)
-    try:
-        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-        if world > 1:
-            raise ConfigError(f"dvla sft runs in one process for now (WORLD_SIZE={world}): run it without torchrun")
-        bad = [x for x in rest if "=" not in x]
-        if bad:
-            raise ConfigError(f"unrecognised argument(s) {' '.join(bad)} (dvla sft --help)")
-        if a.batch_size < 1:
-            raise ConfigError("--batch-size must be >= 1")
-        cfg = get_preset(a.preset)
-        if a.config:
-            cfg = load_yaml(cfg, a.config)
-        cfg = apply_overrides(cfg, rest)
-        cfg.validate()
-        check_env_config(cfg.env)
-        policy_config(cfg.policy.name, cfg.policy.options)
+    bad = [x for x in rest if "=" not in x]
+    if bad:
+        raise ConfigError(f"unrecognised argument(s) {' '.join(bad)} (dvla sft --help)")
+    if a.batch_size < world:
+        raise ConfigError(f"--batch-size must be at least the number of ranks ({world}), got {a.batch_size}")
+    cfg = get_preset(a.preset)
+    if a.config:
+        cfg = load_yaml(cfg, a.config)
+    cfg = apply_overrides(cfg, rest)
+    if a.resume:
+        cfg.run.resume = True
+    if cfg.algo.shard == "fsdp" and world < 2:
+        raise ConfigError("algo.shard=fsdp shards the model over the ranks of the job: run dvla sft under torchrun "
+                          "with 2 or more processes, or set algo.shard=none")
+    cfg.swimlane.learner_ranks = world  # every rank of an SFT job learns
+    cfg.validate()
+    if cfg.run.device.startswith("cuda") and not runtime.current().available():
+        raise ConfigError(f"run.device={cfg.run.device!r} but CUDA is not available on this machine (run.device=auto "
+                          "uses a GPU where there is one, else the CPU)")
+    check_env_config(cfg.env)
+    policy_config(cfg.policy.name, cfg.policy.options)
+    overridden = any(x.startswith(("run.out_dir=", "--run.out_dir=")) for x in rest)
+    base = a.out or (cfg.run.out_dir if overridden or a.config else f"{cfg.run.out_dir.rstrip('/')}-sft")
+    if not Path(a.data).exists():
+        raise ConfigError(f"--data: {a.data} does not exist")
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(base)))
+    return cfg, Job(a.data, a.batch_size, a.action_norm, a.preset), Path(base)
+
+
+def load_data(cfg, job: Job, world: int):
+    """``(frames, normalisation)`` of ``--data``, checked against the env (a DatasetError)."""
+    from dvla.datasets import open_dataset
+    from dvla.envs import env_spec
+    from dvla.normalize import Normalizer
+
+    reader = open_dataset(job.data, spec=env_spec(cfg.env))
+    frames = load_frames(reader, cfg.policy.action_chunk)
+    if min(job.batch_size, len(frames)) < world:
+        raise ConfigError(f"--data: {len(frames)} frames cannot give each of {world} ranks a share of a batch")
+    return frames, Normalizer.from_stats(reader.stats(), job.action_norm)
+
+
+def _say(exc: BaseException, rank: int | None = None) -> None:
+    where = "" if not rank else f" (rank {rank})"
+    print(f"dvla sft: error{where}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    """``dvla sft``; under torchrun each rank of the job runs it (the launcher has narrowed
+    ``CUDA_VISIBLE_DEVICES`` to the rank's GPU first: ``dvla.launch``)."""
+    from dvla.datasets import DatasetError
+    from dvla.distributed import init_from_env, shutdown, uses_nccl
+    from dvla.logs import setup_logging
+    from dvla.rundir import discard_new_run
+    from dvla.sft_state import RelayedError, share_run_dir
+
+    user_errors = (ConfigError, DatasetError, ValueError, FloatingPointError, NotImplementedError)
+    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1) if "RANK" in os.environ else 1
+    try:  # the same on every rank: each host's first rank says what went wrong
+        cfg, job, base = parse(argv, world)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
-        overridden = any(x.startswith(("run.out_dir=", "--run.out_dir=")) for x in rest)
-        base = a.out or (cfg.run.out_dir if overridden or a.config else f"{cfg.run.out_dir.rstrip('/')}-sft")
-        if not Path(a.data).exists():
-            raise ConfigError(f"--data: {a.data} does not exist")
-        run_dir = new_run_dir(base, cfg.run.name)
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(base)))
-        summary = train_sft(cfg, a.data, run_dir, a.batch_size, a.action_norm,
-                            log=lambda s: print(s, file=sys.stderr, flush=True))
-    except (ConfigError, DatasetError, ValueError, FloatingPointError, NotImplementedError) as exc:
-        print(f"dvla sft: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        frames, norm = load_data(cfg, job, world)
+    except user_errors as exc:
+        if local == 0:
+            _say(exc)
         return 2
-    print(f"done: {summary['steps']} steps in {summary['wall_s']:.1f} s, loss {summary['first_loss']:.4f} -> "
-          f"{summary['final_loss']:.4f}\noutputs: {run_dir}  (metrics.jsonl, summary.json, weights.safetensors, "
-          f"normalization.json)\nnext:    dvla eval {run_dir}   |   dvla train --preset {a.preset} "
-          f"policy.init={run_dir}")
+    rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
+                                collective_backend=cfg.swimlane.collective_backend)
+    setup_logging(rank)  # (dvla's own log lines: damaged checkpoints skipped, what a resume changes)
+    progress_bar = cfg.run.progress and rank == 0
+
+    def log(line: str) -> None:
+        if progress_bar:
+            from tqdm import tqdm
+
+            tqdm.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    run_dir, resumed, previous = None, False, None
+    try:
+        run_dir, resumed, previous = share_run_dir(base, cfg, rank, world, int(os.environ.get(
+            "TORCHELASTIC_RESTART_COUNT", "0") or 0))
+        summary = train_sft(cfg, job, frames, norm, run_dir, resumed, rank, world, log)
+    except BaseException as exc:
+        if rank == 0 and run_dir is not None and not resumed:  # a new run that wrote nothing: gone
+            discard_new_run(base, run_dir, previous)
+        if isinstance(exc, user_errors):
+            if not isinstance(exc, RelayedError):
+                _say(exc, rank if world > 1 else None)
+            code = 2
+        elif world == 1:
+            raise
+        else:
+            print(f"dvla sft: error (rank {rank}): {type(exc).__name__}: {' '.join(str(exc).split())[:300]}; "
+                  "continue with --resume from the last checkpoint", file=sys.stderr, flush=True)
+            code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        if world == 1:
+            return code
+        sys.stdout.flush()
+        try:  # a peer may wait in a collective: no teardown barrier, leave at once (torchrun stops the rest)
+            shutdown(barrier=False) if uses_nccl() else None
+        finally:
+            os._exit(code)
+    if rank == 0:
+        resumed_from = f" (resumed from step {summary['resumed_from']})" if summary["resumed_from"] else ""
+        print(f"done: {summary['steps']} steps{resumed_from} in {summary['wall_s']:.1f} s, loss "
+              f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}\noutputs: {run_dir}  (metrics.jsonl, "
+              f"summary.json, weights.safetensors, normalization.json, checkpoints/)\nnext:    dvla eval {run_dir}"
+              f"   |   dvla train --preset {job.preset} policy.init={run_dir}", flush=True)
+    if world > 1:
+        shutdown()
+        # Leave without the interpreter's teardown: a torch thread still joinable at exit has
+        # aborted a rank (SIGABRT, "terminate called without an active exception") after
+        # everything was written and the group destroyed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
+
