@@ -162,11 +162,31 @@ def test_groups_start_alike_and_restart_alone():
 
 
 @pytest.mark.slow
+def test_sampled_initial_states_are_new_and_shared_by_a_group():
+    """``init_states=sampled``: each group starts from a new initial state, none of the fixed
+    ones an evaluation uses, drawn as LIBERO drew those; the envs of a group share it (that
+    a worker process builds the same state is in the next test)."""
+    cfg = libero_cfg(4, task_ids=[0], init_states="sampled", settle_steps=0)
+    env = make_env(cfg, seed=3)
+    try:
+        env.reset(2)
+        here = np.array([inner(env, j).sim.get_state().flatten() for j in range(4)])
+        fixed = env.tasks.init_states(0)
+    finally:
+        env.close()
+    assert np.array_equal(here[0], here[1]) and np.array_equal(here[2], here[3])  # a group shares one
+    gap = lambda a, b: np.abs(a[1:] - b[1:]).max()  # noqa: E731 - (the state's first entry is its time)
+    assert gap(here[0], here[2]) > 1e-3  # two groups, two states
+    nearest = min(gap(f, here[0]) for f in fixed)
+    assert 1e-3 < nearest < 0.5, nearest  # a new state, from the same distribution's range
+
+
+@pytest.mark.slow
 def test_worker_processes_step_like_this_process():
     """The same envs spread over two spawned workers give the very same trajectory as in
     this process; a worker that dies is a one-line error, not a hang, and the next reset
-    starts a new one in its place."""
-    cfg = libero_cfg(2, task_ids=[0, 1])
+    starts a new one in its place. Its initial states are ``sampled`` ones: a worker draws the same."""
+    cfg = libero_cfg(2, task_ids=[0, 1], init_states="sampled")
     torch.manual_seed(0)
     actions = [torch.rand(2, 2, 7) * 2 - 1 for _ in range(3)]
     runs = []

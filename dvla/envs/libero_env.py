@@ -10,8 +10,11 @@ offline. Options (``env.options``):
   ``task_ids[i * len(task_ids) // n_envs]`` (consecutive blocks, so GRPO groups share a task);
 * ``wrist_size``: side in pixels of the wrist camera (``Observation.cameras["wrist"]``); 0: none;
 * ``init_states``: ``random`` (each episode starts from one of the task's fixed initial
-  states, drawn per block of ``group_size``) or ``sequential`` (state 0, 1, 2 ... in turn,
-  as an evaluation over the fixed states goes);
+  states, drawn per block of ``group_size``), ``sequential`` (state 0, 1, 2 ... in turn,
+  as an evaluation over the fixed states goes) or ``sampled`` (a new initial state per block,
+  drawn as LIBERO drew its fixed ones: the task's object placement and robot noise, here
+  seeded by a number the block draws, so that every env of the block and every worker
+  builds the same state; for demonstrations and training away from the evaluation's states);
 * ``settle_steps``: zero-motion actions (gripper open) after each reset, so objects dropped
   into place come to rest (LIBERO evaluations use 10);
 * ``workers``: MuJoCo processes the envs are spread over (spawned, never forked: a process
@@ -89,8 +92,9 @@ class LiberoEnv(BatchedEnv):
             raise ConfigError(f"env.options.wrist_size: 0 or in [8, 1024], got {opts['wrist_size']}")
         if opts["workers"] > cfg.n_envs:
             raise ConfigError(f"env.options.workers: {opts['workers']} workers for {cfg.n_envs} envs")
-        if opts["init_states"] not in ("random", "sequential"):
-            raise ConfigError(f"env.options.init_states: 'random' or 'sequential', got {opts['init_states']!r}")
+        if opts["init_states"] not in ("random", "sequential", "sampled"):
+            raise ConfigError(f"env.options.init_states: 'random', 'sequential' or 'sampled', "
+                              f"got {opts['init_states']!r}")
         return {**opts, "task_ids": ids}
 
     @classmethod
@@ -115,6 +119,7 @@ class LiberoEnv(BatchedEnv):
             self.tasks.check(t)
         self.instructions = [self.tasks.language(t) for t in self.task_of]
         self.sequential = opts["init_states"] == "sequential"
+        self.sampled = opts["init_states"] == "sampled"
         self._next_state = {t: 0 for t in ids}
         # envs split into contiguous slices, one per host
         n_hosts = max(1, opts["workers"])
@@ -123,7 +128,8 @@ class LiberoEnv(BatchedEnv):
         # On a GPU the envs render on the rank's own device: the EGL device whose PCI address is
         # its CUDA device's (EGL's order is not CUDA's; dvla/envs/egl_devices.py).
         common = dict(suite=opts["suite"], image_size=cfg.image_size, wrist_size=opts["wrist_size"],
-                      render=cfg.render, settle_steps=opts["settle_steps"], **render_target(self.device, cfg.render))
+                      render=cfg.render, settle_steps=opts["settle_steps"], sampled=self.sampled,
+                      **render_target(self.device, cfg.render))
         host_cls = _Remote if opts["workers"] else _Local
         self.hosts = []
         try:
@@ -167,7 +173,9 @@ class LiberoEnv(BatchedEnv):
             if any(self.task_of[i] != task for i in block):
                 raise ValueError(f"group of envs {block} spans several tasks: make n_envs / len(task_ids) "
                                  f"a multiple of the group size {group_size}")
-            if self.sequential:
+            if self.sampled:  # the seed of a new placement (LiberoHost.reset)
+                k = int(torch.randint(2**31 - 1, (1,), generator=self.generator))
+            elif self.sequential:
                 k = self._next_state[task] % self._n_states[task]
                 self._next_state[task] += 1
             else:

@@ -144,7 +144,7 @@ class LiberoHost:
 
     def __init__(self, suite: str, task_ids: list[int], image_size: int, wrist_size: int, render: bool,
                  settle_steps: int, seed: int, render_gpu: int = -1, render_pci: str | None = None,
-                 render_gpus: int | None = None):
+                 render_gpus: int | None = None, sampled: bool = False):
         """``render_gpu``: the CUDA ordinal of the rank's GPU (-1: render on the CPU), its PCI
         address ``render_pci`` and the number of CUDA devices the rank sees, ``render_gpus``:
         the EGL device is the one that matches them (:mod:`dvla.envs.egl_devices`)."""
@@ -154,7 +154,7 @@ class LiberoHost:
         self.tasks = LiberoTasks(suite)
         self.task_ids = task_ids
         self.image_size, self.wrist_size, self.render = image_size, wrist_size, render
-        self.settle_steps = settle_steps
+        self.settle_steps, self.sampled = settle_steps, sampled
         self._states = {t: self.tasks.init_states(t) for t in set(task_ids)}
         self.envs = []
         names, sizes = (["agentview", "robot0_eye_in_hand"], [image_size, wrist_size]) if wrist_size else \
@@ -176,17 +176,32 @@ class LiberoHost:
         self._settle[-1] = -1.0  # gripper open
 
     def reset(self, items: list[tuple[int, int]]) -> dict[str, np.ndarray]:
-        """Restart env ``j`` from initial state ``k`` of its task, for each ``(j, k)``."""
+        """Restart env ``j`` from initial state ``k`` of its task, for each ``(j, k)`` (``sampled``:
+        from the new initial state that seed ``k`` draws, :meth:`sampled_state`)."""
         for j, k in items:
             env = self.envs[j]
             self._render(j, self.settle_steps == 0)
             env.reset()
-            obs = env.set_init_state(self._states[self.task_ids[j]][k])
+            state = self.sampled_state(j, k) if self.sampled else self._states[self.task_ids[j]][k]
+            obs = env.set_init_state(state)
             for i in range(self.settle_steps):
                 self._render(j, i == self.settle_steps - 1)
                 obs, _, _, _ = env.step(self._settle)
             self._obs[j] = obs
         return self.observe()
+
+    def sampled_state(self, j: int, seed: int) -> np.ndarray:
+        """A new initial state of env ``j``'s task, drawn as LIBERO drew the fixed ones (a reset:
+        the BDDL regions' object placement and the robot's joint noise, from numpy's global
+        generator, here seeded with ``seed`` and put back after): the same state for the same
+        task and seed in any process."""
+        saved = np.random.get_state()
+        try:
+            np.random.seed((int(seed) * 1000003 + self.task_ids[j]) % 2**32)
+            self.envs[j].reset()
+            return self.envs[j].get_sim_state()
+        finally:
+            np.random.set_state(saved)
 
     def step(self, actions: np.ndarray, observe: bool = True) -> dict[str, np.ndarray]:
         """One action ``(n, 7)`` in each env; the observation and whether the task's goal holds

@@ -1,0 +1,77 @@
+"""The plot of a LIBERO recipe run (``bench/libero_recipe.sh``): success over RL updates.
+
+    python bench/recipe_plot.py OUT [--out recipe.png]
+
+Two kinds of points, labelled apart because they measure different things:
+
+* each RL update's training success (``metrics.jsonl`` of ``OUT/rl/latest``: sampled actions,
+  from the sampled initial states RL trains on), with a moving mean;
+* ``dvla eval`` on the suite's fixed initial states (most likely actions) with 95% Wilson
+  intervals: the SFT run at update 0 (``OUT/eval_sft.json``) and the RL run at its last update
+  (``OUT/eval_sft_vs_rl.json``), and any ``OUT/eval_rl_v*.json`` of RL checkpoints between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _eval_points(out: Path) -> list[tuple[int, dict]]:
+    """(update, result) of every evaluation there is, in update order."""
+    points = []
+    if (out / "eval_sft.json").is_file():
+        points.append((0, json.loads((out / "eval_sft.json").read_text())["runs"][0]))
+    for f in sorted(out.glob("eval_rl_v*.json")):
+        r = json.loads(f.read_text())["runs"][0]
+        points.append((int(r["checkpoint_version"]), r))
+    if (out / "eval_sft_vs_rl.json").is_file():
+        r = json.loads((out / "eval_sft_vs_rl.json").read_text())["runs"][-1]
+        points.append((int(r["checkpoint_version"]), r))
+    return sorted(points, key=lambda p: p[0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run", help="the recipe's OUT directory")
+    p.add_argument("--out", help="the PNG to write (default OUT/recipe.png)")
+    p.add_argument("--window", type=int, default=5, help="updates in the moving mean")
+    args = p.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(args.run)
+    rows = [json.loads(line) for line in (out / "rl" / "latest" / "metrics.jsonl").read_text().splitlines()
+            if line.strip()]
+    rows = [r for r in rows if r.get("success_rate") is not None]
+    x = [int(r.get("version") or i + 1) for i, r in enumerate(rows)]
+    y = [float(r["success_rate"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(x, y, ".", color="#999999", label="training episodes (sampled states and actions)")
+    if len(y) >= args.window:
+        w = args.window
+        ax.plot(x[w - 1:], [sum(y[i - w + 1:i + 1]) / w for i in range(w - 1, len(y))], color="#555555",
+                label=f"moving mean of {w} updates")
+    for i, (update, r) in enumerate(_eval_points(out)):
+        lo, hi = r["ci95"]
+        rate = r["successes"] / r["episodes"]
+        ax.errorbar([update], [rate], yerr=[[rate - lo], [hi - rate]], fmt="o", color="#c44e52", capsize=4,
+                    label="dvla eval, fixed states (95% Wilson)" if i == 0 else None)
+        ax.annotate(f"{r['successes']}/{r['episodes']}", (update, rate), textcoords="offset points", xytext=(6, 6))
+    ax.set_xlabel("RL update (policy version)")
+    ax.set_ylabel("success rate")
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_title("LIBERO recipe: SFT, then GRPO from it")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    dest = Path(args.out) if args.out else out / "recipe.png"
+    fig.savefig(dest, dpi=120)
+    print(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+    main()
