@@ -87,6 +87,11 @@ def test_success_predicate_fires_on_a_scripted_state(rendered):
     assert fired is not None, "the On predicate never held"
     assert res.terminated.tolist() == [True, False] and res.success.tolist() == [True, False]
     assert res.reward.tolist() == [1.0, 0.0]
+    # the ended episode costs nothing while the other goes on: its env no longer steps
+    ended, other = inner(rendered, 0).sim.data.time, inner(rendered, 1).sim.data.time
+    res = rendered.step(torch.zeros(2, 2, 7))
+    assert inner(rendered, 0).sim.data.time == ended and inner(rendered, 1).sim.data.time > other
+    assert res.reward.tolist() == [0.0, 0.0] and res.success.tolist() == [True, False]
 
 
 @pytest.mark.xdist_group("libero_rendered")

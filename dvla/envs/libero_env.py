@@ -212,8 +212,12 @@ class LiberoEnv(BatchedEnv):
 
     def _step_action(self, action: Tensor, observe: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         a = action.detach().to("cpu", torch.float64).numpy()
-        out = self._call("step", [(a[lo:hi], observe) for lo, hi in self._slices])
-        success = torch.from_numpy(np.concatenate([o["success"] for o in out])).to(self.device)
+        live = (~self._done).cpu().numpy()  # an ended episode costs nothing while the others go on
+        sent = [(a[lo:hi], observe, live[lo:hi]) if live[lo:hi].any() else None for lo, hi in self._slices]
+        out = self._call("step", sent)
+        success = torch.from_numpy(np.concatenate([o["success"] if i is not None else np.zeros(hi - lo, bool)
+                                                   for o, i, (lo, hi) in zip(out, sent, self._slices)]))
+        success = success.to(self.device) & torch.from_numpy(live).to(self.device)
         reward = success.float() * self.cfg.success_reward
         return reward, success, torch.zeros_like(success), success
 

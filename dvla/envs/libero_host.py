@@ -203,13 +203,16 @@ class LiberoHost:
         finally:
             np.random.set_state(saved)
 
-    def step(self, actions: np.ndarray, observe: bool = True) -> dict[str, np.ndarray]:
+    def step(self, actions: np.ndarray, observe: bool = True, live: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One action ``(n, 7)`` in each env; the observation and whether the task's goal holds
         (LIBERO's own reward is that, 0 or 1; the env pays ``success_reward`` for it). With
         ``observe=False`` (an action inside a chunk, whose observation no policy reads) the
-        cameras render nothing and the frames returned are the last observed step's."""
+        cameras render nothing and the frames returned are the last observed step's. Envs
+        not ``live`` (their episode ended; the batch waits for the others) do not step."""
         success = np.zeros(len(self.envs), bool)
         for j, env in enumerate(self.envs):
+            if live is not None and not live[j]:
+                continue
             self._render(j, observe)
             self._obs[j], _, _, _ = env.step(actions[j])
             success[j] = bool(env.check_success())
