@@ -62,6 +62,7 @@ class Job:
     batch_size: int = 64
     action_norm: str = "bounds"
     preset: str = "fast_reach"
+    episodes_per_task: int | None = None
 
 
 def train_sft(cfg, job: Job, frames: Frames, norm, run_dir: Path, resumed: bool, rank: int = 0, world: int = 1,
@@ -100,6 +101,7 @@ def train_sft(cfg, job: Job, frames: Frames, norm, run_dir: Path, resumed: bool,
     meta = {METADATA_KEY: norm_json, "sft_data": str(job.data)}
     manifest = {"config": cfg.to_dict(), METADATA_KEY: norm_json,
                 "sft": {"data": str(job.data), "batch_size": size, "action_norm": job.action_norm,
+                        "episodes_per_task": job.episodes_per_task,
                         "frames": len(frames), "episodes": frames.episodes, "world_size": world, "shard": shards}}
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +184,8 @@ def parse(argv: list[str], world: int) -> tuple[object, Job, Path]:
                                                                "(default: %(default)s)")
     p.add_argument("--action-norm", choices=("bounds", "none"), default="bounds",
                    help="actions: the data's [q01, q99] onto [-1, 1] (bounds, default) or as they are (none)")
+    p.add_argument("--episodes-per-task", type=int, help="train on each task's (instruction's) first N episodes "
+                   "only, normalised with their statistics (default: every episode)")
     p.add_argument("--resume", action="store_true", help="continue the latest run under the base directory "
                    "from its newest valid checkpoint (same as run.resume=true)")
     a, rest = p.parse_known_args(argv)
@@ -211,7 +215,9 @@ def parse(argv: list[str], world: int) -> tuple[object, Job, Path]:
     if not Path(a.data).exists():
         raise ConfigError(f"--data: {a.data} does not exist")
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, out_dir=str(base)))
-    return cfg, Job(a.data, a.batch_size, a.action_norm, a.preset), Path(base)
+    if a.episodes_per_task is not None and a.episodes_per_task < 1:
+        raise ConfigError(f"--episodes-per-task: at least 1, got {a.episodes_per_task}")
+    return cfg, Job(a.data, a.batch_size, a.action_norm, a.preset, a.episodes_per_task), Path(base)
 
 
 def load_data(cfg, job: Job, world: int):
@@ -221,10 +227,16 @@ def load_data(cfg, job: Job, world: int):
     from dvla.normalize import Normalizer
 
     reader = open_dataset(job.data, spec=env_spec(cfg.env))
-    frames = load_frames(reader, cfg.policy.action_chunk)
+    frames = load_frames(reader, cfg.policy.action_chunk, job.episodes_per_task)
     if min(job.batch_size, len(frames)) < world:
         raise ConfigError(f"--data: {len(frames)} frames cannot give each of {world} ranks a share of a batch")
-    return frames, Normalizer.from_stats(reader.stats(), job.action_norm)
+    if job.episodes_per_task is None:
+        stats = reader.stats()
+    else:  # the statistics of the episodes trained on, not of the whole dataset
+        from dvla.datasets.stats import dvla_stats
+
+        stats = dvla_stats(frames.actions, frames.proprio)
+    return frames, Normalizer.from_stats(stats, job.action_norm)
 
 
 def _say(exc: BaseException, rank: int | None = None) -> None:

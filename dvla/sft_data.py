@@ -23,6 +23,7 @@ class Frames:
     valid: torch.Tensor  # (N, K) bool
     instructions: list[str]  # (N,)
     episodes: int
+    actions: np.ndarray | None = None  # (N, D): each frame's own action (its statistics)
 
     def __len__(self) -> int:
         return len(self.proprio)
@@ -42,13 +43,21 @@ class Frames:
         return int(self.valid[torch.from_numpy(idx)].sum())
 
 
-def load_frames(reader, k: int) -> Frames:
+def load_frames(reader, k: int, per_task: int | None = None) -> Frames:
+    """Every frame of ``reader``'s episodes with its chunk of ``k`` actions; with ``per_task``
+    only each task's (instruction's) first ``per_task`` episodes."""
     images: dict[str, list] = {}
-    proprio, chunks, valid, instr = [], [], [], []
+    proprio, chunks, valid, instr, actions = [], [], [], [], []
+    taken: dict[str, int] = {}
     for ep in reader:
+        if per_task is not None:
+            if taken.get(ep.instruction, 0) >= per_task:
+                continue
+            taken[ep.instruction] = taken.get(ep.instruction, 0) + 1
         for cam, a in ep.images.items():
             images.setdefault(cam, []).append(a)
         proprio.append(ep.proprio.astype(np.float32))
+        actions.append(np.asarray(ep.actions, np.float32))
         c, v = ep.action_chunks(k)
         chunks.append(c)
         valid.append(v)
@@ -56,7 +65,7 @@ def load_frames(reader, k: int) -> Frames:
     if not proprio:
         raise ConfigError("--data: the dataset holds no episodes")
     return Frames({cam: np.concatenate(a) for cam, a in images.items()}, np.concatenate(proprio),
-                  torch.cat(chunks), torch.cat(valid), instr, len(proprio))
+                  torch.cat(chunks), torch.cat(valid), instr, len(proprio), np.concatenate(actions))
 
 
 class GlobalBatches:

@@ -285,3 +285,29 @@ def test_sft_on_expert_demos_then_rl_from_it_raises_success_significantly(data, 
     assert compare(base, trained)["significant"], numbers
     gain = compare(trained, rl)
     assert gain["difference"] >= 0.2 and gain["significant"], (numbers, gain)
+
+
+def test_episodes_per_task_trains_on_each_tasks_first_episodes_with_their_statistics(data, tmp_path):
+    """``--episodes-per-task N``: each instruction's first N episodes only, normalised with the
+    statistics of those (a warm start from few demonstrations out of a larger recording)."""
+    from dvla.datasets import open_dataset
+    from dvla.datasets.stats import dvla_stats
+    from dvla.normalize import Normalizer
+
+    eps = list(open_dataset(data))
+    taken, chosen = {}, []
+    for ep in eps:
+        if taken.get(ep.instruction, 0) < 3:
+            taken[ep.instruction] = taken.get(ep.instruction, 0) + 1
+            chosen.append(ep)
+    assert len(chosen) < len(eps)
+    run = sft(tmp_path / "few", data, "run.iterations=2", "--episodes-per-task", "3")
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["episodes"] == len(chosen) and summary["frames"] == sum(len(ep) for ep in chosen)
+    want = Normalizer.from_stats(dvla_stats(np.concatenate([ep.actions for ep in chosen]).astype(np.float32),
+                                            np.concatenate([ep.proprio for ep in chosen]).astype(np.float32)),
+                                 "bounds")
+    assert (run / "normalization.json").read_text() == want.to_json()
+    full = sft(tmp_path / "all", data, "run.iterations=2")
+    assert (full / "normalization.json").read_text() != want.to_json()
+    assert cli(["sft", "--data", str(data), "--out", str(tmp_path / "o"), "--episodes-per-task", "0", *FAST]) == 2
