@@ -132,26 +132,9 @@ def rank_plans(cfg, which: str = "all") -> str:
 
 
 def _choose_run_dir(cfg, restarts: int) -> tuple[Path, bool, Path | None]:
-    from dvla.checkpoint import CheckpointManager
-    from dvla.rundir import (check_resume, choose_run_dir, has_checkpoint, latest_run, newest_run_with_checkpoint,
-                             point_latest)
+    from dvla.rundir import pick_run_dir
 
-    previous = latest_run(cfg.run.out_dir)
-    if cfg.run.resume and restarts == 0 and not cfg.run.name and previous is not None \
-            and not has_checkpoint(previous):
-        other = newest_run_with_checkpoint(cfg.run.out_dir)
-        if other is not None:  # latest is a run that crashed before its first checkpoint
-            log.info("--resume: %s (latest) saved no checkpoint; continuing %s, the newest run with one",
-                     previous, other)
-            point_latest(cfg.run.out_dir, other)
-    run, resumed = choose_run_dir(cfg.run.out_dir, cfg.run.name, resume=cfg.run.resume, restarted=restarts > 0)
-    if cfg.run.resume and restarts == 0:
-        checkpoints = CheckpointManager(run / "checkpoints").list()
-        if not checkpoints:
-            raise ConfigError(f"--resume: no checkpoint in {run / 'checkpoints'} (that run saved none; "
-                              "run.save_every=N writes one every N updates)")
-        check_resume(cfg, checkpoints)  # a ConfigError for a change that cannot continue
-    return run, resumed, previous
+    return pick_run_dir(cfg.run.out_dir, cfg, restarts)
 
 
 class _RelayedError(ConfigError):

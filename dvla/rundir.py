@@ -263,3 +263,30 @@ def check_resume(cfg, checkpoints: list[Path]) -> None:
         for line in check_resume_config(old, cfg.to_dict(), done):
             log.info("--resume: changed since the checkpoint: %s", line)
         return
+
+
+def pick_run_dir(base: str | os.PathLike, cfg, restarts: int, unit: str = "updates") -> tuple[Path, bool, Path | None]:
+    """``(run directory, whether it continues a run, the previous latest run)`` for a job
+    writing under ``base`` (an RL run, ``dvla sft``): ``--resume`` continues ``base/latest``
+    (or ``base/run.name``; a latest run that crashed before its first checkpoint gives way to
+    the newest run with one) and needs a checkpoint there whose config this one may continue
+    (:func:`check_resume`); a torchrun restart (``restarts > 0``) continues the run where
+    there is one. ``unit``: what ``run.save_every`` counts, for the error."""
+    from dvla.checkpoint import CheckpointManager
+
+    previous = latest_run(base)
+    if cfg.run.resume and restarts == 0 and not cfg.run.name and previous is not None \
+            and not has_checkpoint(previous):
+        other = newest_run_with_checkpoint(base)
+        if other is not None:
+            log.info("--resume: %s (latest) saved no checkpoint; continuing %s, the newest run with one",
+                     previous, other)
+            point_latest(base, other)
+    run, resumed = choose_run_dir(base, cfg.run.name, resume=cfg.run.resume, restarted=restarts > 0)
+    if cfg.run.resume and restarts == 0:
+        checkpoints = CheckpointManager(run / "checkpoints").list()
+        if not checkpoints:
+            raise ConfigError(f"--resume: no checkpoint in {run / 'checkpoints'} (that run saved none; "
+                              f"run.save_every=N writes one every N {unit})")
+        check_resume(cfg, checkpoints)  # a ConfigError for a change that cannot continue
+    return run, resumed, previous

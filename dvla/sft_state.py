@@ -24,8 +24,7 @@ from dvla.checkpoint import CheckpointError, CheckpointManager, all_finite, sect
 from dvla.config import ConfigError
 from dvla.distributed import all_gather_json, broadcast_json
 from dvla.normalize import METADATA_KEY as NORM_KEY
-from dvla.rundir import (check_resume, choose_run_dir, has_checkpoint, latest_run, newest_run_with_checkpoint,
-                         point_latest)
+from dvla.rundir import pick_run_dir
 from dvla.sharding import full_tensor
 from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 
@@ -40,25 +39,8 @@ class RelayedError(ConfigError):
 
 
 def choose_sft_run_dir(base: Path, cfg, restarts: int) -> tuple[Path, bool, Path | None]:
-    """``(run directory, whether it continues a run, the previous latest run)`` as the RL
-    launcher chooses them: ``--resume`` continues ``base/latest`` (or ``base/run.name``; a
-    latest run without a checkpoint gives way to the newest run with one) and needs a
-    checkpoint there whose config this one may continue (:func:`dvla.rundir.check_resume`);
-    a torchrun restart continues the run where there is one."""
-    previous = latest_run(base)
-    if cfg.run.resume and restarts == 0 and not cfg.run.name and previous is not None \
-            and not has_checkpoint(previous):
-        other = newest_run_with_checkpoint(base)
-        if other is not None:
-            point_latest(base, other)
-    run, resumed = choose_run_dir(base, cfg.run.name, resume=cfg.run.resume, restarted=restarts > 0)
-    if cfg.run.resume and restarts == 0:
-        checkpoints = CheckpointManager(run / "checkpoints").list()
-        if not checkpoints:
-            raise ConfigError(f"--resume: no checkpoint in {run / 'checkpoints'} (that run saved none; "
-                              "run.save_every=N writes one every N steps)")
-        check_resume(cfg, checkpoints)
-    return run, resumed, previous
+    """The run directory as the RL launcher chooses its own (:func:`dvla.rundir.pick_run_dir`)."""
+    return pick_run_dir(base, cfg, restarts, unit="steps")
 
 
 def share_run_dir(base: Path, cfg, rank: int, world: int, restarts: int) -> tuple[Path, bool, Path | None]:
