@@ -199,13 +199,15 @@ def _json_bytes(obj) -> torch.Tensor:
 
 def broadcast_json(obj, src: int, group: dist.ProcessGroup | None = None):
     """``obj`` (JSON values) from global rank ``src`` to every rank of ``group``, as two
-    CPU tensor broadcasts (length, bytes): no pickle crosses the wire."""
+    CPU tensor broadcasts (length, bytes): no pickle crosses the wire. On the thread's
+    communication stream (:meth:`memory.runtime.Runtime.collective`), as every collective."""
     data = _json_bytes(obj) if dist.get_rank() == src else torch.empty(0, dtype=torch.uint8)
     n = torch.tensor([data.numel()], dtype=torch.int64)
-    dist.broadcast(n, src=src, group=group)
-    if dist.get_rank() != src:
-        data = torch.empty(int(n), dtype=torch.uint8)
-    dist.broadcast(data, src=src, group=group)
+    with runtime.current().collective():
+        dist.broadcast(n, src=src, group=group)
+        if dist.get_rank() != src:
+            data = torch.empty(int(n), dtype=torch.uint8)
+        dist.broadcast(data, src=src, group=group)
     return json.loads(bytes(data.numpy()).decode())
 
 
@@ -214,10 +216,11 @@ def all_gather_json(obj, group: dist.ProcessGroup | None = None) -> list:
     data = _json_bytes(obj)
     world = dist.get_world_size(group)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: data.numel()] = data
-    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-    dist.all_gather(out, padded, group=group)
+    with runtime.current().collective():
+        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=group)
+        longest = max(int(s) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        dist.all_gather(out, padded, group=group)
     return [json.loads(bytes(t[: int(s)].numpy()).decode()) for t, s in zip(out, sizes)]
