@@ -123,11 +123,24 @@ class _Suite:
         return np.zeros((2, 3))
 
 
+class _Inner:
+    """robosuite's env inside LIBERO's wrapper: its camera observables (sensors the host wraps)."""
+
+    def __init__(self, camera_names=()):
+        sensor = lambda cache: np.zeros((2, 2, 3), np.uint8)  # noqa: E731
+        sensor.__modality__ = "image"
+        self._observables = {f"{n}_image": types.SimpleNamespace(_sensor=sensor) for n in camera_names}
+
+    def modify_observable(self, name, attribute, modifier):
+        setattr(self._observables[name], f"_{attribute}", modifier)
+
+
 class _Env:
     made: list[dict] = []
 
     def __init__(self, **kw):
         _Env.made.append(kw)
+        self.env = _Inner(kw.get("camera_names", ()))
 
     def seed(self, s):
         pass
