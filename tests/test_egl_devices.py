@@ -76,11 +76,12 @@ def test_choosing_sets_mujoco_egl_device_id_or_warns_naming_what_it_found(fresh,
     assert env["MUJOCO_EGL_DEVICE_ID"] == "2"
     assert choose_render_device(B + ".0", 0, 1, env, lambda: gpus) == 2  # again: ours, not the user's
     env = {}
+    caplog.clear()  # (the info lines above reach caplog where an earlier test set dvla's logger to INFO)
     with caplog.at_level(logging.WARNING, "dvla.envs.egl"):
         for _ in range(2):
             assert choose_render_device(A + ".0", 0, 1, env, lambda: gpus) == 0  # the old behaviour
     assert env == {}
-    warned = [r.getMessage() for r in caplog.records]
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warned) == 1 and "no EGL device matches the rank's GPU (PCI 0000:1a:00.0" in warned[0]
     assert "EGL 0: software, PCI ?, CUDA ?; EGL 1: device, PCI 0000:b1:00" in warned[0]
     caplog.clear()
