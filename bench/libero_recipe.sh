@@ -4,7 +4,8 @@
 #   2. dvla sft on them (a camera-reading policy)
 #   3. dvla eval of the SFT run on the suite's fixed initial states
 #   4. GRPO from the SFT run (policy.init; its KL reference is the SFT policy)
-#   5. dvla eval of the RL run on the same states, side by side with the SFT run
+#   5. dvla eval of the RL run on the same states, side by side with the SFT run (once per
+#      RL_ITERS: a later invocation with more updates evaluates again)
 #   6. the plot: success over RL updates, with both evaluations
 #
 #   bench/libero_recipe.sh [cpu|gpu]
@@ -12,22 +13,27 @@
 # Every stage skips itself where its output is there, and RL goes on with --resume where its
 # run exists, so the script can be stopped and run again (in several sessions on a CPU).
 # Settings come from the profile and can be overridden from the environment: OUT, TASKS,
-# DEMOS (per task), SFT_STEPS, RL_ITERS, N_ENVS, WORKERS, EVAL_EPISODES, RL_TIME (seconds of
+# RECORD (demonstrations recorded per task), DEMOS (of those, trained on per task), SFT_STEPS,
+# RL_ITERS, N_ENVS, GROUP (GRPO's group size), WORKERS, EVAL_EPISODES, RL_TIME (seconds of
 # RL per invocation; 0: no limit), EXTRA (more KEY=VALUE overrides for SFT and RL alike).
 #
 # cpu: two libero_spatial tasks, TinyVLA on a 64 px agent view, chunks of 8 actions; every
-#      number in bench/RESULTS.md "The LIBERO recipe" comes from this profile.
+#      number in bench/RESULTS.md "The LIBERO recipe" comes from this profile. A rendering
+#      LIBERO env holds about 1 GB (its textures, in MuJoCo and in its GL context), so 16
+#      envs in one env group (ENV_GROUPS=1; the swimlane's default of 2 doubles them) fill
+#      most of a 24 GiB machine.
 # gpu: LIBERO's usual settings: all ten tasks, 50 demonstrations each, 128 px agent view and
 #      wrist cameras, 50 fixed states per task; run.device=cuda. Not yet run (no GPU lent).
 set -euo pipefail
 PROFILE=${1:-cpu}
 case "$PROFILE" in
-  cpu) : "${OUT:=runs/recipe_cpu}" "${TASKS:=0,1}" "${DEMOS:=20}" "${SFT_STEPS:=3000}" "${RL_ITERS:=40}"
-       : "${N_ENVS:=32}" "${WORKERS:=2}" "${EVAL_EPISODES:=50}" "${RL_TIME:=0}" "${IMAGE:=64}" "${WRIST:=0}"
+  cpu) : "${OUT:=runs/recipe_cpu}" "${TASKS:=0,1}" "${RECORD:=40}" "${DEMOS:=5}" "${SFT_STEPS:=2000}" "${RL_ITERS:=40}"
+       : "${N_ENVS:=16}" "${WORKERS:=2}" "${EVAL_EPISODES:=50}" "${RL_TIME:=0}" "${IMAGE:=64}" "${WRIST:=0}"
+       : "${GROUP:=4}" "${ENV_GROUPS:=1}"
        DEVICE=cpu ;;
-  gpu) : "${OUT:=runs/recipe_gpu}" "${TASKS:=0,1,2,3,4,5,6,7,8,9}" "${DEMOS:=50}" "${SFT_STEPS:=30000}"
+  gpu) : "${OUT:=runs/recipe_gpu}" "${TASKS:=0,1,2,3,4,5,6,7,8,9}" "${RECORD:=50}" "${DEMOS:=50}" "${SFT_STEPS:=30000}"
        : "${RL_ITERS:=200}" "${N_ENVS:=80}" "${WORKERS:=16}" "${EVAL_EPISODES:=50}" "${RL_TIME:=0}"
-       : "${IMAGE:=128}" "${WRIST:=128}"
+       : "${IMAGE:=128}" "${WRIST:=128}" "${GROUP:=8}" "${ENV_GROUPS:=2}"
        DEVICE=cuda ;;
   *) echo "usage: $0 [cpu|gpu]" >&2; exit 2 ;;
 esac
@@ -45,16 +51,17 @@ COMMON=(--preset libero_spatial "env.options.task_ids=[$TASKS]" env.image_size="
 
 # 1. demonstrations: the expert from sampled initial states, successful episodes only
 if [ ! -f "$OUT/demos/meta/info.json" ]; then
-  log "1. recording $DEMOS expert demonstrations per task ($TASKS)"
+  log "1. recording $RECORD expert demonstrations per task ($TASKS)"
   timed dvla record --expert libero "${COMMON[@]}" env.options.init_states=sampled \
       env.n_envs=$(( N_TASKS * 4 )) env.options.workers="$WORKERS" \
-      --episodes $(( DEMOS * N_TASKS )) --success-only --out "$OUT/demos"
+      --episodes $(( RECORD * N_TASKS )) --success-only --out "$OUT/demos"
 fi
 
 # 2. supervised warm start
 if [ ! -f "$OUT/sft/latest/weights.safetensors" ]; then
-  log "2. dvla sft, $SFT_STEPS steps"
-  timed dvla sft --data "$OUT/demos" "${COMMON[@]}" run.iterations="$SFT_STEPS" --out "$OUT/sft"
+  log "2. dvla sft on $DEMOS demonstrations per task, $SFT_STEPS steps"
+  timed dvla sft --data "$OUT/demos" --episodes-per-task "$DEMOS" "${COMMON[@]}" run.iterations="$SFT_STEPS" \
+      --out "$OUT/sft"
 fi
 
 # 3. the SFT run on the fixed initial states
@@ -67,8 +74,8 @@ fi
 # 4. GRPO from the SFT run (resumed where it stopped; RL_TIME bounds one invocation)
 RL=(-m dvla.launch "${COMMON[@]}" policy.init="$OUT/sft/latest" env.options.init_states=sampled
     env.n_envs="$N_ENVS" env.options.workers="$WORKERS" env.episode_len=$EPISODE_LEN
-    algo.name=grpo algo.group_size=8 algo.lr=1e-4 algo.kl_coef=0.01 algo.update_epochs=2 algo.minibatches=4
-    swimlane.mode=sync run.iterations="$RL_ITERS" run.save_every=1 run.time_limit_s="$RL_TIME"
+    algo.name=grpo algo.group_size="$GROUP" algo.lr=1e-4 algo.kl_coef=0.01 algo.update_epochs=2 algo.minibatches=4
+    swimlane.mode=sync swimlane.env_groups="$ENV_GROUPS" run.iterations="$RL_ITERS" run.save_every=1 run.time_limit_s="$RL_TIME"
     run.out_dir="$OUT/rl")
 if [ -f "$OUT/rl/latest/summary.json" ] && python -c "import json,sys; s=json.load(open('$OUT/rl/latest/summary.json')); \
 sys.exit(0 if s.get('iterations', 0) >= $RL_ITERS else 1)"; then
@@ -84,9 +91,9 @@ fi
 # 5. the RL run on the same states, side by side with the SFT run
 if python -c "import json,sys; s=json.load(open('$OUT/rl/latest/summary.json')); \
 sys.exit(0 if s.get('iterations', 0) >= $RL_ITERS else 1)"; then
-  if [ ! -f "$OUT/eval_sft_vs_rl.json" ]; then
-    log "5. dvla eval: SFT and RL side by side"
-    timed dvla eval "$OUT/sft/latest" "$OUT/rl/latest" "${EVAL[@]}" --out "$OUT/eval_sft_vs_rl.json"
+  if [ ! -f "$OUT/eval_sft_vs_rl_v$RL_ITERS.json" ]; then
+    log "5. dvla eval: SFT and RL (after $RL_ITERS updates) side by side"
+    timed dvla eval "$OUT/sft/latest" "$OUT/rl/latest" "${EVAL[@]}" --out "$OUT/eval_sft_vs_rl_v$RL_ITERS.json"
   fi
   # 6. the plot
   python bench/recipe_plot.py "$OUT" --out "$OUT/recipe.png"

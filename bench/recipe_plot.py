@@ -7,8 +7,8 @@ Two kinds of points, labelled apart because they measure different things:
 * each RL update's training success (``metrics.jsonl`` of ``OUT/rl/latest``: sampled actions,
   from the sampled initial states RL trains on), with a moving mean;
 * ``dvla eval`` on the suite's fixed initial states (most likely actions) with 95% Wilson
-  intervals: the SFT run at update 0 (``OUT/eval_sft.json``) and the RL run at its last update
-  (``OUT/eval_sft_vs_rl.json``), and any ``OUT/eval_rl_v*.json`` of RL checkpoints between.
+  intervals: the SFT run at update 0 (``OUT/eval_sft.json``) and the RL run at each update it
+  was evaluated after (``OUT/eval_sft_vs_rl_v*.json``).
 """
 
 from __future__ import annotations
@@ -23,11 +23,8 @@ def _eval_points(out: Path) -> list[tuple[int, dict]]:
     points = []
     if (out / "eval_sft.json").is_file():
         points.append((0, json.loads((out / "eval_sft.json").read_text())["runs"][0]))
-    for f in sorted(out.glob("eval_rl_v*.json")):
-        r = json.loads(f.read_text())["runs"][0]
-        points.append((int(r["checkpoint_version"]), r))
-    if (out / "eval_sft_vs_rl.json").is_file():
-        r = json.loads((out / "eval_sft_vs_rl.json").read_text())["runs"][-1]
+    for f in out.glob("eval_sft_vs_rl_v*.json"):
+        r = json.loads(f.read_text())["runs"][-1]
         points.append((int(r["checkpoint_version"]), r))
     return sorted(points, key=lambda p: p[0])
 
