@@ -14,11 +14,14 @@ Four ways to take the same number of env steps on one LIBERO task (``--suite``, 
   policy's decisions do, so that only each chunk's last step renders its cameras.
 
 Settings alternate (the order rotates per repeat); printed: env steps/s per setting and its
-ratio to ``libero`` and to ``mujoco`` (medians over repeats).
+ratio to ``libero`` and to ``mujoco`` (medians over repeats). ``--frame-ms 32,64,128`` instead
+times one agent-view frame (robosuite's camera sensor, one env in this process) at each size,
+the sizes alternating, and prints the median ms per frame and the ratio to the first size.
 
     python bench/libero_env.py --repeats 3 --steps 60
     python bench/libero_env.py --render --image-size 64 --wrist-size 64 --steps 20
     python bench/libero_env.py --render --image-size 64 --steps 24 --chunk 4
+    python bench/libero_env.py --frame-ms 32,64,128
 """
 
 from __future__ import annotations
@@ -66,6 +69,31 @@ def dvla_rate(env, steps: int, rng: np.random.Generator, chunk: int = 1) -> floa
     return steps * env.n_envs / (time.perf_counter() - t0)
 
 
+def frame_ms(sizes: list[int], task: str, task_id: int, repeats: int, frames: int = 10) -> None:
+    """Median ms of one agent-view frame at each size (the host's camera sensor, rendered
+    as a live step renders it)."""
+    hosts = {s: LiberoHost(task, [task_id], s, 0, True, 0, 0) for s in sizes}
+    got: dict[int, list[float]] = {s: [] for s in sizes}
+    try:
+        for h in hosts.values():
+            h.reset([(0, 0)])
+        for i in range(repeats):
+            for s in sizes[i % len(sizes):] + sizes[:i % len(sizes)]:
+                env = hosts[s].envs[0].env
+                camera = env._observables["agentview_image"]._sensor
+                camera(env._obs_cache)  # (live after a reset)
+                t0 = time.perf_counter()
+                for _ in range(frames):
+                    camera(env._obs_cache)
+                got[s].append((time.perf_counter() - t0) / frames * 1000)
+    finally:
+        for h in hosts.values():
+            h.close()
+    med = {s: statistics.median(v) for s, v in got.items()}
+    print("agent-view frame, median ms: " + ", ".join(f"{s} px {med[s]:.0f} ({med[s] / med[sizes[0]]:.2f}x)"
+                                                       for s in sizes))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="libero_spatial")
@@ -78,8 +106,11 @@ def main() -> None:
     p.add_argument("--image-size", type=int, default=64)
     p.add_argument("--wrist-size", type=int, default=0)
     p.add_argument("--chunk", type=int, default=1, help="also step the workers' envs in chunks of this many actions")
+    p.add_argument("--frame-ms", help="instead: ms per agent-view frame at these sizes (e.g. 32,64,128)")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.frame_ms:
+        return frame_ms([int(x) for x in args.frame_ms.split(",")], args.suite, args.task, args.repeats)
     opts = {"suite": args.suite, "task_ids": [args.task], "wrist_size": args.wrist_size, "settle_steps": 0}
     cfg = EnvConfig(name="libero", n_envs=args.n_envs, episode_len=10 ** 6, image_size=args.image_size,
                     render=args.render, options=opts)

@@ -65,21 +65,33 @@ def write_safetensors(state: dict[str, Tensor], path: Path, metadata: dict[str, 
     fsync_file(path)
 
 
-def save_safetensors(state: dict[str, Tensor], path: str | Path, metadata: dict[str, str]) -> None:
-    """Write ``state`` (moved to the CPU) to ``path``; a crash mid-write leaves the old file.
-
-    The data go to a uniquely named temp file next to ``path``, which is fsynced and then
-    renamed over ``path``; the directory is fsynced so the rename survives a power cut.
-    """
+def _replace(path: str | Path, write) -> None:
+    """``write(tmp)`` (which writes and fsyncs) into a uniquely named temp file next to
+    ``path``, then renamed over ``path``; the directory is fsynced so the rename survives a
+    power cut. A crash mid-write leaves the old file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
-        write_safetensors(state, tmp, metadata)
+        write(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def save_safetensors(state: dict[str, Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+    """Write ``state`` (moved to the CPU) to ``path`` atomically (:func:`_replace`)."""
+    _replace(path, lambda tmp: write_safetensors(state, tmp, metadata))
+
+
+def save_text(text: str, path: str | Path) -> None:
+    """Write ``text`` to ``path`` atomically (:func:`_replace`)."""
+    def write(tmp: Path) -> None:
+        tmp.write_text(text)
+        fsync_file(tmp)
+
+    _replace(path, write)
 
 
 def exchange_paths(a: Path, b: Path) -> bool:

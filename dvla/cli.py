@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         return keys_main(rest)
     if cmd in ("record", "sft"):  # both read or write datasets: pyarrow, h5py
         try:
-            entry = importlib.import_module("dvla.datasets.record" if cmd == "record" else "dvla.sft").main
+            importlib.import_module("dvla.datasets.record" if cmd == "record" else "dvla.sft")
         except ImportError as exc:
             print(f"dvla {cmd}: error: needs the data extra (pip install -e \".[data]\"): {exc}", file=sys.stderr)
             return 2
@@ -244,7 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             from dvla.launch import sft
 
             return sft(rest)
-        return entry(rest)
+        from dvla.datasets.record import main as record
+
+        return record(rest)
     if cmd == "check-policy":
         from dvla.contract import main as check_policy
 

@@ -183,7 +183,8 @@ def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGr
 def sum_over_group(stats: dict[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Add every value of ``stats`` up over the ranks of ``group`` (one all-reduce)."""
     t = torch.tensor(list(stats.values()), dtype=torch.float64)
-    dist.all_reduce(t, group=group)
+    with runtime.current().collective():
+        dist.all_reduce(t, group=group)
     return dict(zip(stats, t.tolist()))
 
 

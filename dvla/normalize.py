@@ -27,17 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from dvla.atomic_io import fsync_dir, fsync_file
+from dvla.atomic_io import save_text
 
 MIN_STD = 1e-3
 MIN_HALF_RANGE = 1e-4
@@ -116,17 +113,8 @@ class Normalizer:
 
     def save(self, path) -> None:
         """Write :meth:`to_json` to ``path`` (``normalization.json``) so that a crash leaves the
-        old file or the complete new one (a temporary file, fsynced, renamed)."""
-        path = Path(path)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-        try:
-            tmp.write_text(self.to_json())
-            fsync_file(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(path.parent)
+        old file or the complete new one."""
+        save_text(self.to_json(), path)
 
     @classmethod
     def from_json(cls, text: str) -> "Normalizer":

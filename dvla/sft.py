@@ -106,7 +106,7 @@ def train_sft(cfg, job: Job, frames: Frames, norm, run_dir: Path, resumed: bool,
     if lead:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, run_dir / "config.yaml")
-        (run_dir / NORM_FILE).write_text(norm_json)
+        norm.save(run_dir / NORM_FILE)
         truncate_metrics(run_dir / "metrics.jsonl", start)
 
     every = max(1, steps // 100)  # about 100 rows of metrics

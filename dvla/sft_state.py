@@ -27,6 +27,7 @@ from dvla.normalize import METADATA_KEY as NORM_KEY
 from dvla.rundir import pick_run_dir
 from dvla.sharding import full_tensor
 from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from memory import runtime
 
 RANK_SEED = 104729  # a rank's random stream (a flow head's noise, dropout): run.seed + RANK_SEED * rank
 
@@ -103,10 +104,11 @@ def _set_rng_json(d: dict) -> None:
 def _share_tensors(tensors: dict[str, torch.Tensor] | None, head: dict) -> dict[str, torch.Tensor]:
     """Rank 0's ``tensors`` on every rank, one broadcast each (``head`` lists them)."""
     out = {}
-    for name, shape, dtype in head["tensors"]:
-        t = tensors[name].contiguous() if dist.get_rank() == 0 else torch.empty(shape, dtype=getattr(torch, dtype))
-        dist.broadcast(t, 0)
-        out[name] = t
+    with runtime.current().collective():
+        for name, shape, dtype in head["tensors"]:
+            t = tensors[name].contiguous() if dist.get_rank() == 0 else torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(t, 0)
+            out[name] = t
     return out
 
 
@@ -122,10 +124,11 @@ class SFTCheckpoints:
         gathered, one at a time: a collective), every rank's RNG states, ``manifest``."""
         opt_t, opt_meta = optimizer_state(learner.optimizer)
         tensors = {}
-        for k, v in [*((f"policy/{k}", v) for k, v in learner.policy.state_dict().items()), *opt_t.items()]:
-            whole = full_tensor(v)
-            if self.rank == 0:
-                tensors[k] = whole.detach().cpu()
+        with runtime.current().collective():  # (gathering a shard is a collective)
+            for k, v in [*((f"policy/{k}", v) for k, v in learner.policy.state_dict().items()), *opt_t.items()]:
+                whole = full_tensor(v)
+                if self.rank == 0:
+                    tensors[k] = whole.detach().cpu()
         rng_t, rng_meta = rng_state()
         ranks = all_gather_json(_rng_json()) if self.world > 1 else []
         if self.rank != 0:

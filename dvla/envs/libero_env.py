@@ -217,7 +217,7 @@ class LiberoEnv(BatchedEnv):
         out = self._call("step", sent)
         success = torch.from_numpy(np.concatenate([o["success"] if i is not None else np.zeros(hi - lo, bool)
                                                    for o, i, (lo, hi) in zip(out, sent, self._slices)]))
-        success = success.to(self.device) & torch.from_numpy(live).to(self.device)
+        success = success.to(self.device)  # (a host not sent to answered nothing: its old answer is not this step's)
         reward = success.float() * self.cfg.success_reward
         return reward, success, torch.zeros_like(success), success
 

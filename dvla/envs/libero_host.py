@@ -181,8 +181,11 @@ class LiberoHost:
         for j, k in items:
             env = self.envs[j]
             self._render(j, self.settle_steps == 0)
-            env.reset()
-            state = self.sampled_state(j, k) if self.sampled else self._states[self.task_ids[j]][k]
+            if self.sampled:
+                state = self.sampled_state(j, k)  # (its reset draws the state)
+            else:
+                env.reset()
+                state = self._states[self.task_ids[j]][k]
             obs = env.set_init_state(state)
             for i in range(self.settle_steps):
                 self._render(j, i == self.settle_steps - 1)
