@@ -83,6 +83,13 @@ class ActionDistribution:
     def entropy(self, extras: Extras | None = None) -> Tensor:  # (B,)
         raise NotImplementedError
 
+    def tempered(self, temperature: float) -> "ActionDistribution":
+        """This distribution at a sampling temperature (``policy.temperature``): its spread
+        scaled by ``temperature`` and its mode unchanged (a Gaussian's std times it, logits
+        divided by it, a flow chain's noise times it). A head without one says so."""
+        raise NotImplementedError(f"{type(self).__name__} has no sampling temperature: implement tempered() "
+                                  "or leave policy.temperature at 1")
+
     def imitation_loss(self, actions: Tensor, valid: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
         """The supervised loss of demonstrated chunks ``actions`` (B, K, D) (``dvla sft``), with
         ``valid`` (B, K) false on steps past an episode's end, and its stats: by default the
@@ -138,6 +145,9 @@ class BinnedActionDistribution(ActionDistribution):
     def entropy(self, extras: Extras | None = None) -> Tensor:
         return -(self._log_p.exp() * self._log_p).sum(-1).sum(dim=(1, 2))
 
+    def tempered(self, temperature: float) -> "BinnedActionDistribution":
+        return BinnedActionDistribution(self.logits / temperature)
+
 
 class GaussianActionDistribution(ActionDistribution):
     """Diagonal Gaussian; samples are clamped to [-1, 1] by the environment, and the
@@ -161,3 +171,6 @@ class GaussianActionDistribution(ActionDistribution):
     def entropy(self, extras: Extras | None = None) -> Tensor:
         ent = 0.5 + 0.5 * math.log(2 * math.pi) + self.log_std
         return ent.sum(dim=(1, 2))
+
+    def tempered(self, temperature: float) -> "GaussianActionDistribution":
+        return GaussianActionDistribution(self.mean, self.log_std + math.log(temperature))

@@ -64,7 +64,7 @@ def load_policy(run: Path):
     cfg = load_yaml(JobConfig(), run / "config.yaml")
     stored = read_weights(run, f"dvla eval {run}")
     spec = PolicySpec.for_env(env_spec(cfg.env), cfg.policy.action_chunk)
-    policy = build_policy(cfg.policy.name, spec, cfg.policy.options)
+    policy = build_policy(cfg.policy.name, spec, cfg.policy.options, cfg.policy.temperature)
     fit_policy(policy, stored, cfg.policy.name, f"dvla eval {run}")
     return cfg, policy.eval(), stored
 
@@ -166,7 +166,8 @@ def evaluate(run: Path, setup: EvalSetup, log=print) -> dict:
     checkpoint = {"path": str(stored.path), "policy": stored.policy or cfg.policy.name, "version": stored.version,
                   "digest": weights_digest(policy)}
     return {"run": str(run), **result, "episodes_per_task": setup.episodes, "n_envs": min(setup.n_envs, setup.episodes),
-            "seed": setup.seed, "deterministic": setup.deterministic, "episodes": episodes, "successes": successes,
+            "seed": setup.seed, "deterministic": setup.deterministic,
+            "temperature": None if setup.deterministic else policy.temperature, "episodes": episodes, "successes": successes,
             "success_rate": sum(r["success_rate"] for r in tasks.values()) / len(tasks),
             "ci95": list(wilson(successes, episodes)), "checkpoint": checkpoint, "checkpoint_version": stored.version}
 
@@ -223,7 +224,7 @@ def main(argv: list[str]) -> int:
                                               "env.n_envs); part of what fixes the states of other envs")
     p.add_argument("--workers", type=int, default=0, help="LIBERO: MuJoCo worker processes (0: this process)")
     p.add_argument("--sample", action="store_true", help="sample actions (seeded with --seed) instead of the "
-                                                         "most likely ones")
+                                                         "most likely ones, at the run's policy.temperature")
     p.add_argument("--seed", type=int, default=0, help="the envs' seed (other envs: their initial states) and the "
                                                        "actions' with --sample (default 0)")
     p.add_argument("--out", help="write every run's result and the comparisons to this file (default: each run's "

@@ -139,6 +139,11 @@ class VLAPolicy(nn.Module, ABC):
         self.tokenizer: Tokenizer = HashTokenizer()
         """Instruction strings -> ``(ids, mask)`` (:mod:`dvla.tokenizers`); replace it in a
         subclass's ``__init__`` (e.g. with an :class:`dvla.tokenizers.HFTokenizer`)."""
+        self.temperature = 1.0
+        """The sampling temperature of rollouts and of the learner's log-probs
+        (``policy.temperature``, set by :func:`build_policy`): :meth:`act` samples from, and
+        :meth:`evaluate` scores under, the head's distribution ``tempered`` by it. The most
+        likely actions and the imitation loss do not depend on it."""
 
     # -- the one method a model must provide ---------------------------------------------
     @abstractmethod
@@ -233,6 +238,11 @@ class VLAPolicy(nn.Module, ABC):
             obs = dataclasses.replace(obs, cameras={c: obs.cameras[c] for c in self.cameras_used})
         return obs.to(self.device)
 
+    def _sampling(self, dist):
+        """The distribution rollouts sample from and the learner scores: ``dist`` at
+        :attr:`temperature`."""
+        return dist if self.temperature == 1.0 else dist.tempered(self.temperature)
+
     def model_inputs(self, obs: Observation) -> Observation:
         """What ``forward`` gets: ``obs`` prepared, its proprio normalised (:attr:`normalizer`)
         and preprocessed."""
@@ -262,7 +272,7 @@ class VLAPolicy(nn.Module, ABC):
         obs = self.model_inputs(obs)
         with self._autocast():
             out = self(obs)
-            draw = out.dist.draw(deterministic, generator)
+            draw = self._sampling(out.dist).draw(deterministic, generator)
             values = self._value(out, obs)
         if values is None:
             values = torch.zeros(draw.actions.shape[0], device=draw.actions.device)
@@ -283,9 +293,10 @@ class VLAPolicy(nn.Module, ABC):
         the rollout recorded beside the actions (:meth:`rollout_extras`)."""
         obs = self.model_inputs(obs)
         out = self(obs)
+        dist = self._sampling(out.dist)
         actions = self.model_actions(actions)
-        return EvalOutput(log_probs=chunk_log_probs(out.dist, actions, action_valid, ratio, extras),
-                          entropy=out.dist.entropy(extras), values=self._value(out, obs))
+        return EvalOutput(log_probs=chunk_log_probs(dist, actions, action_valid, ratio, extras),
+                          entropy=dist.entropy(extras), values=self._value(out, obs))
 
     @torch.no_grad()
     def value(self, obs: Observation) -> Tensor:
@@ -355,7 +366,11 @@ def policy_config(name: str, options: dict[str, Any] | None = None) -> Any:
     return cfg
 
 
-def build_policy(name: str, spec: PolicySpec, options: dict[str, Any] | None = None) -> VLAPolicy:
-    """Instantiate the registered policy ``name`` with ``options`` checked against its Config."""
+def build_policy(name: str, spec: PolicySpec, options: dict[str, Any] | None = None,
+                 temperature: float = 1.0) -> VLAPolicy:
+    """Instantiate the registered policy ``name`` with ``options`` checked against its Config,
+    sampling at ``temperature`` (:attr:`VLAPolicy.temperature`)."""
     cfg = policy_config(name, options)
-    return POLICY_REGISTRY[name](spec=spec, config=cfg)
+    policy = POLICY_REGISTRY[name](spec=spec, config=cfg)
+    policy.temperature = float(temperature)
+    return policy

@@ -194,7 +194,7 @@ def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Gr
     else:  # a learner-only rank needs the spec, not a simulator (where the env can tell)
         spec_ = env_spec(cfg.env, device, seed=seed + 7919 * rank)
     spec = PolicySpec.for_env(spec_, cfg.policy.action_chunk)
-    policy = build_policy(cfg.policy.name, spec, cfg.policy.options).to(device).eval()
+    policy = build_policy(cfg.policy.name, spec, cfg.policy.options, cfg.policy.temperature).to(device).eval()
     check_policy_io(policy, cfg.policy.name)
     if cfg.policy.init and rank == 0 and not cfg.run.resume:  # before the KL reference is copied (the algorithm)
         # Others get rank 0's weights (agreement, v0) and normalisation (share_normalization).

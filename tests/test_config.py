@@ -25,6 +25,7 @@ def test_unknown_preset():
         ("run.device=tpu", "run.device"),
         ("env.n_envs=many", "env.n_envs"),
         ("algo.lr=-1", "algo.lr"),
+        ("policy.temperature=0", "policy.temperature"),
         ("env.n_envs=10", "env.n_envs"),  # not a multiple of the GRPO group size (4)
     ],
 )

@@ -17,6 +17,13 @@ class PolicyConfig:
     """A registered :class:`dvla.policy.VLAPolicy` (see ``POLICY_REGISTRY``)."""
     action_chunk: int = bounded(1, ge=1)
     """Actions predicted per decision (action chunking); the env executes them in order."""
+    temperature: float = bounded(1.0, gt=0)
+    """Sampling temperature of rollouts, and of the log-probs the learner's ratio and KL
+    compare them with: a Gaussian head's std times it, logits divided by it, a flow head's
+    noise times it. Below 1 an RL run explores closer to the most likely actions, which
+    evaluation takes (a warm-started policy's learned std can be far wider than the spread
+    that still succeeds); the most likely actions and ``dvla sft``'s loss do not depend on
+    it. ``dvla eval --sample`` samples at the run's temperature."""
     options: dict[str, Any] = field(default_factory=dict)
     """The policy's own ``Config`` (tiny_vla: ``hidden_dim, vision_channels, embed_dim,
     vocab_size, max_tokens, head (bins|gaussian|flow), n_bins, flow_steps, init_log_std,

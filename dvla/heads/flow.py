@@ -45,6 +45,7 @@ condition defines it. ``batch_steps=False`` calls the model once per step instea
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any, Callable, Iterator
@@ -252,6 +253,13 @@ class FlowChainDistribution(ActionDistribution):
         err = (v.float() - (a - x0)).pow(2).mean(-1)
         loss = masked_step_mean(err, valid)
         return loss, {"flow_mse": float(loss.detach())}
+
+    def tempered(self, temperature: float) -> "FlowChainDistribution":
+        """The chain's noise ``sigma`` times ``temperature`` (the noise-free integration, the
+        mode, is unchanged)."""
+        out = copy.copy(self)
+        out.log_sigma = self.log_sigma + math.log(temperature)
+        return out
 
     def entropy(self, extras: Extras | None = None) -> Tensor:
         """The transitions' entropy (of the chain given ``x_0``), per decision: it depends on

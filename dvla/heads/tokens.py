@@ -23,6 +23,7 @@ The language model is any Hugging Face style causal LM: called with ``inputs_emb
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any, Literal
 
@@ -92,9 +93,17 @@ class TokenActionDistribution(ActionDistribution):
     def __init__(self, head: TokenActionHead, lm: nn.Module, prefix: Tensor, prefix_mask: Tensor):
         self.head, self.lm, self.prefix, self.mask = head, lm, prefix, prefix_mask.bool()
         self._scored: tuple[Tensor, Tensor] | None = None  # (tokens, bin log-probs) of the last scoring
+        self.temperature = 1.0
+
+    def tempered(self, temperature: float) -> "TokenActionDistribution":
+        """Every position's bin logits divided by ``temperature`` (greedy decoding unchanged)."""
+        out = copy.copy(self)
+        out.temperature, out._scored = self.temperature * temperature, None
+        return out
 
     def _bin_log_p(self, logits: Tensor) -> Tensor:
-        return torch.log_softmax(logits[..., self.head.first_bin:].float(), dim=-1)
+        logits = logits[..., self.head.first_bin:].float()
+        return torch.log_softmax(logits if self.temperature == 1.0 else logits / self.temperature, dim=-1)
 
     def _embed(self, tokens: Tensor) -> Tensor:
         return self.lm.get_input_embeddings()(tokens).to(self.prefix.dtype)
