@@ -14,8 +14,10 @@
 # run exists, so the script can be stopped and run again (in several sessions on a CPU).
 # Settings come from the profile and can be overridden from the environment: OUT, TASKS,
 # RECORD (demonstrations recorded per task), DEMOS (of those, trained on per task), SFT_STEPS,
-# RL_ITERS, N_ENVS, GROUP (GRPO's group size), WORKERS, EVAL_EPISODES, RL_TIME (seconds of
-# RL per invocation; 0: no limit), EXTRA (more KEY=VALUE overrides for SFT and RL alike).
+# RL_ITERS, N_ENVS, GROUP (GRPO's group size), TEMP (RL's sampling temperature,
+# policy.temperature; RL runs in OUT/rl_tTEMP, OUT/rl at 1), WORKERS, EVAL_EPISODES, RL_TIME
+# (seconds of RL per invocation; 0: no limit), EXTRA (more KEY=VALUE overrides for SFT and RL
+# alike).
 #
 # cpu: two libero_spatial tasks, TinyVLA on a 64 px agent view, chunks of 8 actions; every
 #      number in bench/RESULTS.md "The LIBERO recipe" comes from this profile. A rendering
@@ -29,15 +31,17 @@ PROFILE=${1:-cpu}
 case "$PROFILE" in
   cpu) : "${OUT:=runs/recipe_cpu}" "${TASKS:=0,1}" "${RECORD:=40}" "${DEMOS:=5}" "${SFT_STEPS:=2000}" "${RL_ITERS:=40}"
        : "${N_ENVS:=16}" "${WORKERS:=2}" "${EVAL_EPISODES:=50}" "${RL_TIME:=0}" "${IMAGE:=64}" "${WRIST:=0}"
-       : "${GROUP:=4}" "${ENV_GROUPS:=1}"
+       : "${GROUP:=4}" "${ENV_GROUPS:=1}" "${TEMP:=0.5}"
        DEVICE=cpu ;;
   gpu) : "${OUT:=runs/recipe_gpu}" "${TASKS:=0,1,2,3,4,5,6,7,8,9}" "${RECORD:=50}" "${DEMOS:=50}" "${SFT_STEPS:=30000}"
        : "${RL_ITERS:=200}" "${N_ENVS:=80}" "${WORKERS:=16}" "${EVAL_EPISODES:=50}" "${RL_TIME:=0}"
-       : "${IMAGE:=128}" "${WRIST:=128}" "${GROUP:=8}" "${ENV_GROUPS:=2}"
+       : "${IMAGE:=128}" "${WRIST:=128}" "${GROUP:=8}" "${ENV_GROUPS:=2}" "${TEMP:=0.5}"
        DEVICE=cuda ;;
   *) echo "usage: $0 [cpu|gpu]" >&2; exit 2 ;;
 esac
 EXTRA=${EXTRA:-}
+if [ "$TEMP" = 1 ]; then RL_NAME=rl; else RL_NAME=rl_t$TEMP; fi
+RL_DIR=$OUT/$RL_NAME
 CHUNK=8
 N_TASKS=$(( $(tr -cd , <<<"$TASKS" | wc -c) + 1 ))
 EPISODE_LEN=$(( (220 + CHUNK - 1) / CHUNK ))  # libero_spatial's evaluation length in decisions
@@ -71,17 +75,19 @@ if [ ! -f "$OUT/eval_sft.json" ]; then
   timed dvla eval "$OUT/sft/latest" "${EVAL[@]}" --out "$OUT/eval_sft.json"
 fi
 
-# 4. GRPO from the SFT run (resumed where it stopped; RL_TIME bounds one invocation)
+# 4. GRPO from the SFT run (resumed where it stopped; RL_TIME bounds one invocation), sampling
+#    at TEMP: the SFT run's learned std is wider than the spread its actions still succeed with
+#    (on the CPU profile, sampled success 0.15 at 1, 0.42 at 0.5, most likely actions 0.57)
 RL=(-m dvla.launch "${COMMON[@]}" policy.init="$OUT/sft/latest" env.options.init_states=sampled
     env.n_envs="$N_ENVS" env.options.workers="$WORKERS" env.episode_len=$EPISODE_LEN
-    algo.name=grpo algo.group_size="$GROUP" algo.lr=1e-4 algo.kl_coef=0.01 algo.update_epochs=2 algo.minibatches=4
+    algo.name=grpo algo.group_size="$GROUP" algo.lr=1e-4 algo.kl_coef=0.01 algo.update_epochs=2 algo.minibatches=4 policy.temperature="$TEMP"
     swimlane.mode=sync swimlane.env_groups="$ENV_GROUPS" run.iterations="$RL_ITERS" run.save_every=1 run.time_limit_s="$RL_TIME"
-    run.out_dir="$OUT/rl")
-if [ -f "$OUT/rl/latest/summary.json" ] && python -c "import json,sys; s=json.load(open('$OUT/rl/latest/summary.json')); \
+    run.out_dir="$RL_DIR")
+if [ -f "$RL_DIR/latest/summary.json" ] && python -c "import json,sys; s=json.load(open('$RL_DIR/latest/summary.json')); \
 sys.exit(0 if s.get('iterations', 0) >= $RL_ITERS else 1)"; then
   log "4. RL is done ($RL_ITERS updates)"
 else
-  if [ -d "$OUT/rl/latest/checkpoints" ]; then
+  if [ -d "$RL_DIR/latest/checkpoints" ]; then
     log "4. GRPO, resumed"; timed python "${RL[@]}" --resume
   else
     log "4. GRPO from the SFT run, $RL_ITERS updates"; timed python "${RL[@]}"
@@ -89,11 +95,11 @@ else
 fi
 
 # 5. the RL run on the same states, side by side with the SFT run
-if python -c "import json,sys; s=json.load(open('$OUT/rl/latest/summary.json')); \
+if python -c "import json,sys; s=json.load(open('$RL_DIR/latest/summary.json')); \
 sys.exit(0 if s.get('iterations', 0) >= $RL_ITERS else 1)"; then
-  if [ ! -f "$OUT/eval_sft_vs_rl_v$RL_ITERS.json" ]; then
+  if [ ! -f "$OUT/eval_sft_vs_${RL_NAME}_v$RL_ITERS.json" ]; then
     log "5. dvla eval: SFT and RL (after $RL_ITERS updates) side by side"
-    timed dvla eval "$OUT/sft/latest" "$OUT/rl/latest" "${EVAL[@]}" --out "$OUT/eval_sft_vs_rl_v$RL_ITERS.json"
+    timed dvla eval "$OUT/sft/latest" "$RL_DIR/latest" "${EVAL[@]}" --out "$OUT/eval_sft_vs_${RL_NAME}_v$RL_ITERS.json"
   fi
   # 6. the plot
   python bench/recipe_plot.py "$OUT" --out "$OUT/recipe.png"

@@ -4,11 +4,12 @@
 
 Two kinds of points, labelled apart because they measure different things:
 
-* each RL update's training success (``metrics.jsonl`` of ``OUT/rl/latest``: sampled actions,
-  from the sampled initial states RL trains on), with a moving mean;
+* each RL update's training success (``metrics.jsonl`` of ``OUT/rl*/latest``, one series per
+  RL run: ``rl`` sampled at temperature 1, ``rl_tT`` at T; sampled actions, from the sampled
+  initial states RL trains on), with a moving mean;
 * ``dvla eval`` on the suite's fixed initial states (most likely actions) with 95% Wilson
-  intervals: the SFT run at update 0 (``OUT/eval_sft.json``) and the RL run at each update it
-  was evaluated after (``OUT/eval_sft_vs_rl_v*.json``).
+  intervals: the SFT run at update 0 (``OUT/eval_sft.json``) and each RL run at each update it
+  was evaluated after (``OUT/eval_sft_vs_<rl run>_v*.json``).
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ import json
 from pathlib import Path
 
 
-def _eval_points(out: Path) -> list[tuple[int, dict]]:
-    """(update, result) of every evaluation there is, in update order."""
+def _eval_points(out: Path, name: str) -> list[tuple[int, dict]]:
+    """(update, result) of every evaluation of RL run ``name`` there is, in update order."""
     points = []
-    if (out / "eval_sft.json").is_file():
-        points.append((0, json.loads((out / "eval_sft.json").read_text())["runs"][0]))
-    for f in out.glob("eval_sft_vs_rl_v*.json"):
+    for f in out.glob(f"eval_sft_vs_{name}_v*.json"):
         r = json.loads(f.read_text())["runs"][-1]
         points.append((int(r["checkpoint_version"]), r))
     return sorted(points, key=lambda p: p[0])
@@ -41,22 +40,28 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     out = Path(args.run)
-    rows = [json.loads(line) for line in (out / "rl" / "latest" / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    rows = [r for r in rows if r.get("success_rate") is not None]
-    x = [int(r.get("version") or i + 1) for i, r in enumerate(rows)]
-    y = [float(r["success_rate"]) for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(x, y, ".", color="#999999", label="training episodes (sampled states and actions)")
-    if len(y) >= args.window:
-        w = args.window
-        ax.plot(x[w - 1:], [sum(y[i - w + 1:i + 1]) / w for i in range(w - 1, len(y))], color="#555555",
-                label=f"moving mean of {w} updates")
-    for i, (update, r) in enumerate(_eval_points(out)):
+    points = []
+    if (out / "eval_sft.json").is_file():
+        points.append((0, json.loads((out / "eval_sft.json").read_text())["runs"][0], "SFT", "#333333"))
+    runs = sorted(d for d in out.glob("rl*") if (d / "latest" / "metrics.jsonl").is_file())
+    for d, (light, dark) in zip(runs, [("#9ecae1", "#2171b5"), ("#fdae6b", "#d94801"), ("#a1d99b", "#238b45")]):
+        temp = d.name[len("rl_t"):] if d.name.startswith("rl_t") else "1"
+        rows = [json.loads(line) for line in (d / "latest" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r.get("success_rate") is not None]
+        x = [int(r.get("version") or i + 1) for i, r in enumerate(rows)]
+        y = [float(r["success_rate"]) for r in rows]
+        ax.plot(x, y, ".", color=light, label=f"training episodes, temperature {temp} (sampled states and actions)")
+        if len(y) >= args.window:
+            w = args.window
+            ax.plot(x[w - 1:], [sum(y[i - w + 1:i + 1]) / w for i in range(w - 1, len(y))], color=dark,
+                    label=f"moving mean of {w} updates, temperature {temp}")
+        points += [(u, r, f"RL, temperature {temp}", dark) for u, r in _eval_points(out, d.name)]
+    for update, r, what, color in points:
         lo, hi = r["ci95"]
         rate = r["successes"] / r["episodes"]
-        ax.errorbar([update], [rate], yerr=[[rate - lo], [hi - rate]], fmt="o", color="#c44e52", capsize=4,
-                    label="dvla eval, fixed states (95% Wilson)" if i == 0 else None)
+        ax.errorbar([update], [rate], yerr=[[rate - lo], [hi - rate]], fmt="o", color=color, capsize=4,
+                    label=f"dvla eval of {what}, fixed states (95% Wilson)")
         ax.annotate(f"{r['successes']}/{r['episodes']}", (update, rate), textcoords="offset points", xytext=(6, 6))
     ax.set_xlabel("RL update (policy version)")
     ax.set_ylabel("success rate")
