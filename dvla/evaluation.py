@@ -11,7 +11,7 @@ Every run is evaluated on the same episodes:
   each for the first run's episode length in env steps.
 
 Actions are the policy's most likely ones (``--sample`` draws them, from a generator seeded
-with ``--seed``). Each task's result is successes/episodes, the success rate and its 95%
+with ``--seed``, at the run's ``policy.temperature`` or ``--temperature``). Each task's result is successes/episodes, the success rate and its 95%
 Wilson score interval; with several runs (``dvla eval RUN_A RUN_B ...``) a side-by-side table
 gives each run's difference from the first and the pooled two-proportion z-test's p-value,
 overall and per task (:mod:`dvla.eval_stats`). Each run's result is written to
@@ -47,6 +47,7 @@ class EvalSetup:
     n_envs: int  # episodes run at once
     seed: int  # the env's (non-LIBERO: its initial states) and, with sample, the actions'
     deterministic: bool = True
+    temperature: float | None = None  # with sample: None, each run's policy.temperature
     suite: str | None = None  # LIBERO
     tasks: list[int] | None = None  # LIBERO: None, every task of the suite
     workers: int = 0  # LIBERO: MuJoCo worker processes
@@ -149,6 +150,8 @@ def evaluate(run: Path, setup: EvalSetup, log=print) -> dict:
     """One run's result: per task episodes, successes, rate and 95% interval, overall, and
     the weights, seeds and states it came from."""
     cfg, policy, stored = load_policy(run)
+    if setup.temperature is not None:
+        policy.temperature = setup.temperature
     torch.manual_seed(setup.seed)
     log(f"dvla eval: {run} (weights of version {stored.version}, {stored.path.name}) on "
         f"{setup.suite or cfg.env.name}")
@@ -185,7 +188,11 @@ def _setup(args, first: JobConfig) -> EvalSetup:
     if episodes < 1 or n_envs < 1:
         raise ConfigError("--episodes and --n-envs must be >= 1")
     tasks = [int(t) for t in args.tasks.split(",")] if args.tasks else None
-    return EvalSetup(episodes=episodes, n_envs=n_envs, seed=args.seed, deterministic=not args.sample, suite=suite,
+    if args.temperature is not None and (not args.sample or not args.temperature > 0):
+        raise ConfigError(f"--temperature {args.temperature}: a temperature > 0, with --sample (the most likely "
+                          "actions have none)")
+    return EvalSetup(episodes=episodes, n_envs=n_envs, seed=args.seed, deterministic=not args.sample,
+                     temperature=args.temperature, suite=suite,
                      tasks=tasks, workers=args.workers, steps=None if libero else
                      first.env.episode_len * first.policy.action_chunk)
 
@@ -225,6 +232,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=0, help="LIBERO: MuJoCo worker processes (0: this process)")
     p.add_argument("--sample", action="store_true", help="sample actions (seeded with --seed) instead of the "
                                                          "most likely ones, at the run's policy.temperature")
+    p.add_argument("--temperature", type=float, help="with --sample: sample at this temperature instead of the "
+                                                      "run's policy.temperature")
     p.add_argument("--seed", type=int, default=0, help="the envs' seed (other envs: their initial states) and the "
                                                        "actions' with --sample (default 0)")
     p.add_argument("--out", help="write every run's result and the comparisons to this file (default: each run's "

@@ -91,6 +91,19 @@ def test_runs_side_by_side_on_the_same_states_with_difference_and_p_value(runs, 
     assert "pooled two-proportion z-test" in table and not (b / "eval.json").exists()
 
 
+def test_sampled_actions_at_the_runs_temperature_or_another(runs, tmp_path):
+    """``--sample`` records the run's temperature (1); at a temperature near 0 the sampled
+    actions are the most likely ones, so the same episodes succeed."""
+    a, _ = runs
+    got = {}
+    for name, extra in (("mode", []), ("run", ["--sample"]), ("cold", ["--sample", "--temperature", "1e-4"])):
+        assert cli(["eval", str(a), *EPISODES, "--seed", "5", *extra, "--out", str(tmp_path / name)]) == 0
+        got[name] = json.loads((tmp_path / name).read_text())["runs"][0]
+    assert got["mode"]["temperature"] is None and got["run"]["temperature"] == 1.0
+    assert got["cold"]["temperature"] == 1e-4 and got["cold"]["deterministic"] is False
+    assert got["cold"]["tasks"] == got["mode"]["tasks"]
+
+
 def test_runs_of_other_envs_and_libero_options_are_one_line_errors(runs, tmp_path, capsys):
     a, _ = runs
     c = tmp_path / "c"
@@ -98,7 +111,9 @@ def test_runs_of_other_envs_and_libero_options_are_one_line_errors(runs, tmp_pat
     (c / "config.yaml").write_text((c / "config.yaml").read_text().replace("name: fast_reach", "name: gym"))
     for args, words in (([str(a), str(c)], "runs are compared on the same env's states"),
                         ([str(a), "--suite", "libero_10"], "trained on env 'fast_reach', not libero"),
-                        ([str(tmp_path / "nope")], "not a run directory")):
+                        ([str(tmp_path / "nope")], "not a run directory"),
+                        ([str(a), "--temperature", "0.5"], "with --sample"),
+                        ([str(a), "--sample", "--temperature", "0"], "a temperature > 0")):
         assert cli(["eval", *args, *EPISODES]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and err.startswith("dvla eval: error: ") and words in err, err
