@@ -192,6 +192,17 @@ def read_weights(path: str | Path, what: str = "policy.init") -> StoredWeights:
     return _with_run_normalization(_from_file(weights, what), p, what)
 
 
+def check_normalization(norm: Normalizer | None, policy: torch.nn.Module, where: str) -> None:
+    """A ConfigError naming ``where`` when ``norm`` does not fit ``policy``'s proprio and
+    action dimensions (nothing to check without either)."""
+    spec = getattr(policy, "spec", None)
+    if norm is not None and spec is not None:
+        try:
+            norm.check(spec.proprio_dim, spec.action_dim, where)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def fit_policy(policy: torch.nn.Module, stored: StoredWeights, name: str, what: str = "policy.init") -> None:
     """Load ``stored`` into ``policy`` (registered as ``name``), strictly: a ConfigError when
     the recorded policy name differs, a shape differs, or a tensor is missing or unexpected."""
@@ -211,13 +222,7 @@ def fit_policy(policy: torch.nn.Module, stored: StoredWeights, name: str, what: 
         parts = [f"{label} {', '.join(keys[:_SHOWN])}{f' (and {len(keys) - _SHOWN} more)' if len(keys) > _SHOWN else ''}"
                  for label, keys in (("missing", missing), ("unexpected", unexpected)) if keys]
         raise ConfigError(f"{fit}: {'; '.join(parts)}")
-    if stored.normalization is not None:
-        spec = getattr(policy, "spec", None)
-        if spec is not None:
-            try:
-                stored.normalization.check(spec.proprio_dim, spec.action_dim, f"{what}: {stored.path}")
-            except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+    check_normalization(stored.normalization, policy, f"{what}: {stored.path}")
     policy.load_state_dict(stored.tensors)
     if stored.normalization is not None:
         policy.normalizer = stored.normalization

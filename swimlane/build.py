@@ -23,7 +23,7 @@ from dvla.algos import build_algorithm
 from dvla.config import ConfigError, JobConfig, SwimlaneConfig
 from dvla.distributed import allreduce_mean_grads, broadcast_json
 from dvla.envs import env_spec, make_env
-from dvla.init_weights import load_init, resumed_normalization
+from dvla.init_weights import check_normalization, load_init, resumed_normalization
 from dvla.normalize import Normalizer
 from dvla.policy import ExtraSpec, PolicySpec, build_policy
 from dvla.rollout import cameras_of
@@ -236,13 +236,8 @@ def share_normalization(cfg: JobConfig, model: Model, rank: int, world: int, res
             norm = getattr(model.policy, "normalizer", None)
             if resumed is not None:
                 norm = resumed_normalization(resumed.manifest, resumed.path, Path(cfg.run.out_dir))
-            spec = getattr(model.policy, "spec", None)
-            if norm is not None and spec is not None:
-                where = f"run.resume: {resumed.path}" if resumed is not None else f"policy.init: {cfg.policy.init}"
-                try:
-                    norm.check(spec.proprio_dim, spec.action_dim, where)
-                except ValueError as exc:
-                    raise ConfigError(str(exc)) from None
+            check_normalization(norm, model.policy, f"run.resume: {resumed.path}" if resumed is not None
+                                else f"policy.init: {cfg.policy.init}")
             text = norm.to_json() if norm is not None else None
         except ConfigError as exc:
             error = str(exc)

@@ -79,6 +79,19 @@ def test_weights_that_cannot_be_read_are_one_line_errors(sft_run, tmp_path):
         apply_overrides(debug(), ["policy.init="]).validate()
 
 
+def test_a_normalisation_that_does_not_fit_the_policy_is_a_one_line_error(sft_run, tmp_path):
+    import shutil
+
+    from dvla.normalize import FILE, Normalizer
+
+    run = tmp_path / "sft"
+    shutil.copytree(sft_run, run)
+    (run / FILE).write_text(Normalizer(proprio_mean=torch.zeros(5), proprio_std=torch.ones(5)).to_json())
+    with pytest.raises(ConfigError, match="normalisation has 5 proprio dimensions") as got:
+        build(f"run.out_dir={tmp_path / 'rl'}", f"policy.init={run}")
+    assert str(got.value).startswith(f"policy.init: {run}") and "\n" not in str(got.value)
+
+
 def launch(*args, cwd):
     return subprocess.run([sys.executable, "-m", "dvla.launch", "--preset", "debug", *FAST, *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
