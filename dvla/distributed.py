@@ -144,7 +144,8 @@ def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGr
     if masked:
         device = params[0].grad.device if params else torch.device("cpu")
         count = torch.tensor([1.0 if contributes else 0.0], dtype=torch.float64, device=device)
-        dist.all_reduce(count, group=group)
+        with runtime.current().collective():
+            dist.all_reduce(count, group=group)
         world = round(float(count))
         if not contributes:
             for p in params:
@@ -169,14 +170,17 @@ def allreduce_mean_grads(params: list[torch.nn.Parameter], group: dist.ProcessGr
                 offset += g.numel()
         bucket, size = [], 0
 
-    for p in params:
-        g = p.grad
-        nbytes = g.numel() * g.element_size()
-        if bucket and (size + nbytes > bucket_bytes or g.dtype != bucket[0].dtype or g.device != bucket[0].device):
-            flush()
-        bucket.append(g)
-        size += nbytes
-    flush()
+    # On the communication stream (memory/runtime.py), which waits for the backward pass
+    # that wrote the gradients; the host waits for the reductions before the step reads them.
+    with runtime.current().collective():
+        for p in params:
+            g = p.grad
+            nbytes = g.numel() * g.element_size()
+            if bucket and (size + nbytes > bucket_bytes or g.dtype != bucket[0].dtype or g.device != bucket[0].device):
+                flush()
+            bucket.append(g)
+            size += nbytes
+        flush()
     return world
 
 

@@ -124,11 +124,10 @@ class SFTCheckpoints:
         gathered, one at a time: a collective), every rank's RNG states, ``manifest``."""
         opt_t, opt_meta = optimizer_state(learner.optimizer)
         tensors = {}
-        with runtime.current().collective():  # (gathering a shard is a collective)
-            for k, v in [*((f"policy/{k}", v) for k, v in learner.policy.state_dict().items()), *opt_t.items()]:
-                whole = full_tensor(v)
-                if self.rank == 0:
-                    tensors[k] = whole.detach().cpu()
+        for k, v in [*((f"policy/{k}", v) for k, v in learner.policy.state_dict().items()), *opt_t.items()]:
+            whole = full_tensor(v)  # (a shard's gather: a collective, on the communication stream)
+            if self.rank == 0:
+                tensors[k] = whole.detach().cpu()
         rng_t, rng_meta = rng_state()
         ranks = all_gather_json(_rng_json()) if self.world > 1 else []
         if self.rank != 0:

@@ -35,6 +35,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from memory import runtime
 
 __all__ = ["checkpoint_activations", "full_state_dict", "full_tensor", "gathered_weights", "is_sharded",
            "learner_bytes", "local_bytes", "shard_learner", "shard_module"]
@@ -86,8 +87,12 @@ def shard_module(module: nn.Module, group: dist.ProcessGroup, precision: str = "
 
 def full_tensor(t: Tensor) -> Tensor:
     """The whole of ``t``: gathered from every shard when it is a DTensor (a collective: every
-    rank of its mesh must call it), else ``t``."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    rank of its mesh must call it; on the communication stream, :meth:`memory.runtime.Runtime.collective`),
+    else ``t``."""
+    if not isinstance(t, DTensor):
+        return t
+    with runtime.current().collective():
+        return t.full_tensor()
 
 
 def full_state_dict(module: nn.Module) -> dict[str, Tensor]:

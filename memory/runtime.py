@@ -226,14 +226,21 @@ class CudaRuntime(Runtime):
 
     @contextlib.contextmanager
     def collective(self) -> Iterator[None]:
+        if getattr(self._local, "in_collective", False):  # inside another block: already there
+            yield
+            return
         comm = getattr(self._local, "comm", None)
         if comm is None:
             comm = self._local.comm = torch.cuda.Stream(self.device)
         # The collective reads what this thread queued before it; the thread's current
         # stream never waits for the collective (only the host does, below).
         comm.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(comm):
-            yield
+        self._local.in_collective = True
+        try:
+            with torch.cuda.stream(comm):
+                yield
+        finally:
+            self._local.in_collective = False
         comm.synchronize()
 
 

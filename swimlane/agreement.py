@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from dvla.config import ConfigError
 from dvla.distributed import all_gather_json, broadcast_json
+from memory import runtime
 from swimlane.checkpointing import Resumed, RunCheckpoints
 
 log = logging.getLogger("dvla.swimlane")
@@ -61,8 +62,9 @@ def agree(checkpoints: RunCheckpoints, resumed: Resumed | None, *, group, learne
     if rank != 0:
         tensors = {k: torch.empty(shape, dtype=getattr(torch, dtype), device=device if kind != "cpu" else "cpu")
                    for k, shape, dtype, kind in layout}
-    for k, *_ in layout:
-        dist.broadcast(tensors[k], src=0, group=group)
+    with runtime.current().collective():  # (on the communication stream, as every collective)
+        for k, *_ in layout:
+            dist.broadcast(tensors[k], src=0, group=group)
     if rank == 0:
         return resumed
     if not full:

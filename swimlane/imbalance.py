@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dvla.config import SwimlaneConfig
 from launch.placement import Placement
+from memory import runtime
 from swimlane.balance import Plan, Rebalancer, Throughput, equal_shares, stragglers
 from swimlane.roles import RolePlanner, initial_routes
 
@@ -63,7 +64,8 @@ class RankBalance:
                 t[r, :4] = torch.tensor([d.steps, d.sample_s, d.chunks, d.dropped], dtype=torch.float64)
         t[self.rank, 4:] = torch.tensor([wait_s, learn_s, consumed], dtype=torch.float64)
         if self.sl.learner_ranks > 1:
-            dist.all_reduce(t, group=self.learner_group)
+            with runtime.current().collective():
+                dist.all_reduce(t, group=self.learner_group)
         speed = {r: float(t[r, 0] / t[r, 1]) for r in self.rollout_ranks if t[r, 1] > 0}
         self._name(stragglers(speed, self.sl.straggler_factor), speed)
         m = {"stragglers": float(len(self.stragglers)), **{f"speed/rank{r}": v for r, v in speed.items()},

@@ -5,8 +5,9 @@ asynchronous copies, collectives on a communication stream) with tensors on the 
 records every break of the discipline as a violation:
 
 * a thread that calls the runtime without having bound the device first;
-* a collective (``torch.distributed``'s, patched while the fake is installed) issued outside
-  :meth:`Runtime.collective`, i.e. on the thread's compute stream;
+* a collective (``torch.distributed``'s, and a DTensor's gather, ``full_tensor``: patched while
+  the fake is installed) issued outside :meth:`Runtime.collective`, i.e. on the thread's
+  compute stream;
 * two threads routing allocations into one memory pool (the base runtime refuses it with
   :class:`memory.runtime.DisciplineError`; the fake records it too);
 * a pinned block handed out again while an asynchronous copy into it may still be in flight
@@ -165,12 +166,12 @@ class FakeRuntime(Runtime):
         self._check("collective")
         comm = getattr(self._local, "comm", None) or FakeStream("comm", "comm")
         self._local.comm = comm
-        before = getattr(self._local, "stream", None)
+        before = getattr(self._local, "stream", None), getattr(self._local, "in_collective", False)
         self._local.stream, self._local.in_collective = comm, True
         try:
             yield
-        finally:
-            self._local.stream, self._local.in_collective = before, False
+        finally:  # (a block inside another leaves the outer one on the communication stream)
+            self._local.stream, self._local.in_collective = before
 
     def available(self) -> bool:
         return False  # torch itself has no CUDA here: process groups stay gloo
@@ -191,6 +192,18 @@ class FakeRuntime(Runtime):
                 return __original(*args, **kwargs)
 
             stack.enter_context(_patched(dist, name, watched))
+        from torch.distributed.tensor import DTensor
+
+        gather = DTensor.full_tensor
+
+        def watched_gather(t, *args, **kwargs):  # (its all-gather is a functional collective, unpatched above)
+            self.collectives += 1
+            if not getattr(self._local, "in_collective", False):
+                self._violate(f"DTensor.full_tensor on the compute stream {self._stream().name!r} "
+                              "(outside Runtime.collective)")
+            return gather(t, *args, **kwargs)
+
+        stack.enter_context(_patched(DTensor, "full_tensor", watched_gather))
         return stack
 
 

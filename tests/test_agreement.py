@@ -1,7 +1,8 @@
 """Two learner ranks (real gloo group, spawned processes) start from one state, rank 0's:
 its initial weights even when the other learner's seed differs, its checkpoint when only
 rank 0 can see the checkpoint directory, and a clear error on both when they loaded
-different versions."""
+different versions. Each learner runs under the recording fake runtime (tests/fake_runtime.py):
+the agreement's broadcasts, like every collective, go through ``Runtime.collective``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ def _worker(rank: int, port: int, per_rank: dict[int, list[str]], iterations: in
     overrides = per_rank[rank]
     import torch.distributed as dist
 
+    from fake_runtime import installed
+
     from dvla.checkpoint import weights_digest
     from dvla.distributed import shutdown
     from swimlane import Swimlane
@@ -26,23 +29,28 @@ def _worker(rank: int, port: int, per_rank: dict[int, list[str]], iterations: in
         dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
         cfg = apply_overrides(debug(), ["swimlane.learner_ranks=2", "run.torch_threads=1", "run.progress=false",
                                         f"run.iterations={iterations}", *overrides])
-        try:
-            lanes = Swimlane(cfg, rank=rank, world_size=2)
-        except Exception as exc:  # the error each learner reports
-            out.put((rank, {"raised": f"{type(exc).__name__}: {exc}"}))
-            dist.destroy_process_group()
-            return
-        start = {"resumed_from": lanes.resumed_from, "version": lanes.version, "digest": weights_digest(lanes.policy),
-                 "carried": lanes.ledger.carried_env_steps}
-        summary = lanes.run()
-        shutdown()
-        out.put((rank, {**start, "final_version": summary["version"], "final_digest": summary["weights_digest"]}))
+        with installed() as fake:
+            try:
+                lanes = Swimlane(cfg, rank=rank, world_size=2)
+            except Exception as exc:  # the error each learner reports
+                out.put((rank, {"raised": f"{type(exc).__name__}: {exc}", "violations": fake.violations}))
+                dist.destroy_process_group()
+                return
+            start = {"resumed_from": lanes.resumed_from, "version": lanes.version,
+                     "digest": weights_digest(lanes.policy), "carried": lanes.ledger.carried_env_steps}
+            summary = lanes.run()
+            shutdown()
+        out.put((rank, {**start, "final_version": summary["version"], "final_digest": summary["weights_digest"],
+                        "violations": fake.violations}))
     except BaseException as exc:
         out.put((rank, {"error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}))
 
 
 def run_learners(per_rank: dict[int, list[str]], iterations: int) -> dict[int, dict]:
-    return spawn_ranks(_worker, 2, per_rank, iterations, timeout=180)
+    got = spawn_ranks(_worker, 2, per_rank, iterations, timeout=180)
+    for rank, res in got.items():  # (a worker's own error is in "error")
+        assert not res.get("violations"), (rank, sorted(set(res.get("violations"))))
+    return got
 
 
 def _checkpointed_run(path, iterations: int) -> None:

@@ -48,6 +48,7 @@ from dvla.algos.losses import clipped_policy_loss, masked_mean
 from dvla.algos.optim import all_reduce_small, collective_device, param_groups
 from dvla.config import AlgoConfig, ConfigError
 from dvla.policy import VLAPolicy
+from dvla.sharding import full_tensor
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
 
 __all__ = ["Algorithm", "GradSync", "collective_device", "extras_of", "obs_of", "param_groups"]
@@ -375,8 +376,7 @@ class Algorithm(ABC):
                 "tensor that requires grad. Keep the distribution's tensors as its attributes (they reach FSDP "
                 "as PolicyOutput.backward_anchors)")
         norm = torch.nn.utils.get_total_norm(grads, foreach=True) if grads else torch.zeros(())
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = full_tensor(norm)  # (a sharded gradient's norm: reduced over the shards, a collective)
         torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm, foreach=True)
         return norm
 

@@ -31,11 +31,8 @@ def all_reduce_small(values, dtype: torch.dtype, group, device: torch.device,
     group's backend takes it (:func:`collective_device`; ``device``: the learner's)."""
     where = collective_device(dist.get_backend(group), device)
     t = torch.tensor(values, dtype=dtype, device=where)
-    if where.type == "cpu":
+    with runtime.current().collective():  # on the communication stream (memory/runtime.py), as every collective
         dist.all_reduce(t, op=op, group=group)
-    else:  # on the device runtime's communication stream (memory/runtime.py)
-        with runtime.current().collective():
-            dist.all_reduce(t, op=op, group=group)
     return t.tolist()
 
 
