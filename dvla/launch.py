@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 
-from dvla.config import ConfigError, apply_overrides, load_yaml
+from dvla.config import ConfigError
 from dvla.distributed import init_from_env, shutdown, uses_nccl
 from dvla.logs import setup_logging
-from dvla.presets import DEFAULT_PRESET, PRESETS, get_preset
+from dvla.presets import DEFAULT_PRESET, PRESETS, compose
 from memory import runtime
 
 log = logging.getLogger("dvla.launch")
@@ -93,12 +93,7 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m dvla.laun
     from dvla.plugins import load_plugins
 
     load_plugins(args.imports)  # before the config is checked: it may name their policies and envs
-    cfg = get_preset(args.preset)
-    if args.config:
-        cfg = load_yaml(cfg, args.config)
-    cfg = apply_overrides(cfg, rest)
-    if args.resume:
-        cfg.run.resume = True
+    cfg = compose(args.preset, args.config, rest, args.resume)
     check_config(cfg)
     return args, cfg
 

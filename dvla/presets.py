@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from dvla.config import AlgoConfig, ConfigError, EnvConfig, JobConfig, PolicyConfig, RunConfig
+from dvla.config import AlgoConfig, ConfigError, EnvConfig, JobConfig, PolicyConfig, RunConfig, apply_overrides, load_yaml
 
 
 def debug() -> JobConfig:
@@ -121,3 +121,15 @@ def get_preset(name: str) -> JobConfig:
     if name not in PRESETS:
         raise ConfigError(f"--preset: unknown preset {name!r}; available: {', '.join(PRESETS)}")
     return PRESETS[name]()
+
+
+def compose(preset: str, config_file: str | None, overrides: list[str], resume: bool = False) -> JobConfig:
+    """A job's config as every command line builds it: the preset, the YAML file on top of it,
+    then the ``KEY=VALUE`` overrides (and ``--resume``: ``run.resume``)."""
+    cfg = get_preset(preset)
+    if config_file:
+        cfg = load_yaml(cfg, config_file)
+    cfg = apply_overrides(cfg, overrides)
+    if resume:
+        cfg.run.resume = True
+    return cfg

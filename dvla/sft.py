@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from dvla.config import ConfigError, apply_overrides, load_yaml
+from dvla.config import ConfigError
 from dvla.sft_data import Frames, GlobalBatches, load_frames, shard
 
 __all__ = ["Frames", "load_frames", "main", "train_sft"]
@@ -168,7 +168,7 @@ def parse(argv: list[str], world: int) -> tuple[object, Job, Path]:
     """``(cfg, job, base directory)`` from the command line; a ConfigError for any mistake."""
     from dvla.envs import check_env_config
     from dvla.policy import policy_config
-    from dvla.presets import PRESETS, get_preset
+    from dvla.presets import PRESETS, compose
     from memory import runtime
 
     p = argparse.ArgumentParser(prog="dvla sft", description="Supervised warm start: train a policy on a "
@@ -194,12 +194,7 @@ def parse(argv: list[str], world: int) -> tuple[object, Job, Path]:
         raise ConfigError(f"unrecognised argument(s) {' '.join(bad)} (dvla sft --help)")
     if a.batch_size < world:
         raise ConfigError(f"--batch-size must be at least the number of ranks ({world}), got {a.batch_size}")
-    cfg = get_preset(a.preset)
-    if a.config:
-        cfg = load_yaml(cfg, a.config)
-    cfg = apply_overrides(cfg, rest)
-    if a.resume:
-        cfg.run.resume = True
+    cfg = compose(a.preset, a.config, rest, a.resume)
     if cfg.algo.shard == "fsdp" and world < 2:
         raise ConfigError("algo.shard=fsdp shards the model over the ranks of the job: run dvla sft under torchrun "
                           "with 2 or more processes, or set algo.shard=none")
