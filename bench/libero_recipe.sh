@@ -84,7 +84,7 @@ RL=(-m dvla.launch "${COMMON[@]}" policy.init="$OUT/sft/latest" env.options.init
     swimlane.mode=sync swimlane.env_groups="$ENV_GROUPS" run.iterations="$RL_ITERS" run.save_every=1 run.time_limit_s="$RL_TIME"
     run.out_dir="$RL_DIR")
 if [ -f "$RL_DIR/latest/summary.json" ] && python -c "import json,sys; s=json.load(open('$RL_DIR/latest/summary.json')); \
-sys.exit(0 if s.get('iterations', 0) >= $RL_ITERS else 1)"; then
+sys.exit(0 if s.get('version', 0) >= $RL_ITERS else 1)"; then
   log "4. RL is done ($RL_ITERS updates)"
 else
   if [ -d "$RL_DIR/latest/checkpoints" ]; then
@@ -96,7 +96,7 @@ fi
 
 # 5. the RL run on the same states, side by side with the SFT run
 if python -c "import json,sys; s=json.load(open('$RL_DIR/latest/summary.json')); \
-sys.exit(0 if s.get('iterations', 0) >= $RL_ITERS else 1)"; then
+sys.exit(0 if s.get('version', 0) >= $RL_ITERS else 1)"; then
   if [ ! -f "$OUT/eval_sft_vs_${RL_NAME}_v$RL_ITERS.json" ]; then
     log "5. dvla eval: SFT and RL (after $RL_ITERS updates) side by side"
     timed dvla eval "$OUT/sft/latest" "$RL_DIR/latest" "${EVAL[@]}" --out "$OUT/eval_sft_vs_${RL_NAME}_v$RL_ITERS.json"
