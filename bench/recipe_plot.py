@@ -9,7 +9,8 @@ Two kinds of points, labelled apart because they measure different things:
   initial states RL trains on), with a moving mean;
 * ``dvla eval`` on the suite's fixed initial states (most likely actions) with 95% Wilson
   intervals: the SFT run at update 0 (``OUT/eval_sft.json``) and each RL run at each update it
-  was evaluated after (``OUT/eval_sft_vs_<rl run>_v*.json``).
+  was evaluated after (``OUT/eval_sft_vs_<rl run>_v*.json``, or ``OUT/eval_<rl run>_v*.json`` for
+  an evaluation of the RL run alone).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pathlib import Path
 
 
 def _eval_points(out: Path, name: str) -> list[tuple[int, dict]]:
-    """(update, result) of every evaluation of RL run ``name`` there is, in update order."""
+    """(update, result) of every evaluation of RL run ``name`` there is (side by side with the
+    SFT run, or of the RL run alone: ``eval_<name>_v*.json``), in update order."""
     points = []
-    for f in out.glob(f"eval_sft_vs_{name}_v*.json"):
+    for f in [*out.glob(f"eval_sft_vs_{name}_v*.json"), *out.glob(f"eval_{name}_v*.json")]:
         r = json.loads(f.read_text())["runs"][-1]
         points.append((int(r["checkpoint_version"]), r))
     return sorted(points, key=lambda p: p[0])
