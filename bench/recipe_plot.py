@@ -42,7 +42,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     out = Path(args.run)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 6))
     points = []
     if (out / "eval_sft.json").is_file():
         points.append((0, json.loads((out / "eval_sft.json").read_text())["runs"][0], "SFT", "#333333"))
@@ -59,18 +59,20 @@ def main() -> None:
             ax.plot(x[w - 1:], [sum(y[i - w + 1:i + 1]) / w for i in range(w - 1, len(y))], color=dark,
                     label=f"moving mean of {w} updates, temperature {temp}")
         points += [(u, r, f"RL, temperature {temp}", dark) for u, r in _eval_points(out, d.name)]
+    labelled = set()
     for update, r, what, color in points:
         lo, hi = r["ci95"]
         rate = r["successes"] / r["episodes"]
-        ax.errorbar([update], [rate], yerr=[[rate - lo], [hi - rate]], fmt="o", color=color, capsize=4,
-                    label=f"dvla eval of {what}, fixed states (95% Wilson)")
+        label = None if what in labelled else f"dvla eval of {what}, fixed states (95% Wilson)"
+        labelled.add(what)
+        ax.errorbar([update], [rate], yerr=[[rate - lo], [hi - rate]], fmt="o", color=color, capsize=4, label=label)
         ax.annotate(f"{r['successes']}/{r['episodes']}", (update, rate), textcoords="offset points", xytext=(6, 6))
     ax.set_xlabel("RL update (policy version)")
     ax.set_ylabel("success rate")
     ax.set_ylim(-0.03, 1.03)
     ax.set_title("LIBERO recipe: SFT, then GRPO from it")
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=7)
     fig.tight_layout()
     dest = Path(args.out) if args.out else out / "recipe.png"
     fig.savefig(dest, dpi=120)
