@@ -259,6 +259,31 @@ def _entropy(c: Context):
     return f"finite, and within 5 standard errors of minus the mean log-prob of {n} samples"
 
 
+@_check("temperature", "tempered(t) of the head's distribution must keep its mode and sample from, and score "
+        "under, the distribution at temperature t (policy.temperature): spread times t, logits divided by t",
+        needs=("evaluate", "deterministic"))
+def _temperature(c: Context):
+    before = c.policy.temperature
+    c.policy.temperature = 0.5
+    try:
+        try:
+            det = c.policy.act(c.obs, deterministic=True)
+        except NotImplementedError:
+            return "the head has no tempered(): policy.temperature must stay 1"
+        if not torch.allclose(det.actions.float(), c.det.actions.float(), atol=1e-6):
+            raise Failed(f"at temperature 0.5 the most likely actions move by {_gap(det.actions, c.det.actions):.3g}")
+        drawn = c.policy.act(c.obs, generator=c.gen(c.seed + 13))
+        ev = c.policy.evaluate(c.obs, drawn.actions, extras=drawn.extras)
+        if not torch.allclose(ev.log_probs.detach(), drawn.log_probs, rtol=LOGP_TOLERANCE, atol=LOGP_TOLERANCE):
+            raise Failed(f"at temperature 0.5, evaluate() differs from act()'s log-probs by up to "
+                         f"{_gap(ev.log_probs, drawn.log_probs):.3g}")
+        if not bool((ev.entropy.detach() < c.ev.entropy.detach() + 1e-6).all()):
+            raise Failed("the entropy at temperature 0.5 is not below the entropy at 1")
+    finally:
+        c.policy.temperature = before
+    return "the same mode at 0.5; act() and evaluate() agree there, with less entropy"
+
+
 @_check("gradients", "the log-probs (and values) must reach the trainable parameters: no .detach() or "
         "torch.no_grad() in forward; trainable parameters (requires_grad) the loss does not use can be frozen",
         needs=("evaluate",))

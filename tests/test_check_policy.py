@@ -196,6 +196,17 @@ class PlainTensor(Small):
         return torch.tanh(h + self.offset)
 
 
+class _ShiftedWhenTempered(GaussianActionDistribution):
+    def tempered(self, temperature):  # scales the mean as well as the spread
+        return GaussianActionDistribution(self.mean * temperature, self.log_std + math.log(temperature))
+
+
+class MovesItsModeWhenTempered(Small):
+    def forward(self, obs):
+        out = super().forward(obs)
+        return PolicyOutput(_ShiftedWhenTempered(out.dist.mean, out.dist.log_std), out.value)
+
+
 RULES = [  # policy, the rule it breaks, what its check says, other checks the break fails (the rest pass or skip)
     (BadInit, "builds", "raised RuntimeError: no weights here (at test_check_policy.py"),
     (ReturnsTensor, "forward", "forward returned Tensor, not PolicyOutput"),
@@ -207,6 +218,7 @@ RULES = [  # policy, the rule it breaks, what its check says, other checks the b
     (Unsquashed, "action_range", "deterministic actions reach"),
     (GradDependent, "evaluate", "evaluate() of act()'s actions differs from act()'s log-probs by up to"),
     (WrongEntropy, "entropy", "minus the mean log-prob of 64 samples is"),
+    (MovesItsModeWhenTempered, "temperature", "at temperature 0.5 the most likely actions move by"),
     (Detached, "gradients", "has no gradient at all"),
     (ClaimsAValue, "value_head", "has_value_head is True but evaluate() values are None"),
     (Deaf, "language", "other instructions leave the log-probs of the same actions unchanged"),
@@ -301,7 +313,7 @@ def test_the_command_prints_a_line_per_check_and_exits_1_on_a_failure(tmp_path):
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("dvla check-policy: my_vla {'width': 8} on fast_reach's shapes") and \
         "actions 2 x 2" in lines[0]
-    assert len(lines) == 2 + 17 and lines[-1] == "my_vla: 1 of 17 checks failed (evaluate), 3 skipped"
+    assert len(lines) == 2 + 18 and lines[-1] == "my_vla: 1 of 18 checks failed (evaluate), 4 skipped"
     failed = next(ln for ln in lines if ln.lstrip().startswith("FAIL"))
     assert failed.split()[1] == "evaluate" and "Fix: evaluate() must score the recorded actions" in failed
     assert sum(ln.lstrip().startswith("pass") for ln in lines) == 13
