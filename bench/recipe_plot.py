@@ -5,8 +5,8 @@
 Two kinds of points, labelled apart because they measure different things:
 
 * each RL update's training success (``metrics.jsonl`` of ``OUT/rl*/latest``, one series per
-  RL run: ``rl`` sampled at temperature 1, ``rl_tT`` at T; sampled actions, from the sampled
-  initial states RL trains on), with a moving mean;
+  RL run, labelled with its ``policy.temperature``; sampled actions, from the sampled initial
+  states RL trains on), with a moving mean;
 * ``dvla eval`` on the suite's fixed initial states (most likely actions) with 95% Wilson
   intervals: the SFT run at update 0 (``OUT/eval_sft.json``) and each RL run at each update it
   was evaluated after (``OUT/eval_sft_vs_<rl run>_v*.json``, or ``OUT/eval_<rl run>_v*.json`` for
@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+from dvla.config import JobConfig, load_yaml
 
 
 def _eval_points(out: Path, name: str) -> list[tuple[int, dict]]:
@@ -48,7 +50,7 @@ def main() -> None:
         points.append((0, json.loads((out / "eval_sft.json").read_text())["runs"][0], "SFT", "#333333"))
     runs = sorted(d for d in out.glob("rl*") if (d / "latest" / "metrics.jsonl").is_file())
     for d, (light, dark) in zip(runs, [("#9ecae1", "#2171b5"), ("#fdae6b", "#d94801"), ("#a1d99b", "#238b45")]):
-        temp = d.name[len("rl_t"):] if d.name.startswith("rl_t") else "1"
+        temp = f"{load_yaml(JobConfig(), d / 'latest' / 'config.yaml').policy.temperature:g}"
         rows = [json.loads(line) for line in (d / "latest" / "metrics.jsonl").read_text().splitlines() if line.strip()]
         rows = [r for r in rows if r.get("success_rate") is not None]
         x = [int(r.get("version") or i + 1) for i, r in enumerate(rows)]

@@ -216,6 +216,30 @@ def broadcast_json(obj, src: int, group: dist.ProcessGroup | None = None):
     return json.loads(bytes(data.numpy()).decode())
 
 
+def tensor_layout(tensors: dict[str, torch.Tensor]) -> list:
+    """``[name, shape, dtype, device type]`` of every tensor, by name: what the other ranks of
+    :func:`broadcast_tensors` need to receive them (JSON, for :func:`broadcast_json`)."""
+    return [[k, list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type] for k, t in sorted(tensors.items())]
+
+
+def broadcast_tensors(tensors: dict[str, torch.Tensor] | None, layout: list, src: int = 0,
+                      group: dist.ProcessGroup | None = None,
+                      device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """Global rank ``src``'s ``tensors`` on every rank of ``group``, one broadcast each in the
+    order of ``layout`` (:func:`tensor_layout`, which every rank must have); the others receive
+    into new tensors, on ``device`` where the sender's were not on the CPU. On the thread's
+    communication stream (:meth:`memory.runtime.Runtime.collective`), as every collective."""
+    if dist.get_rank() != src:
+        tensors = {k: torch.empty(shape, dtype=getattr(torch, dtype),
+                                  device=device if kind != "cpu" and device is not None else "cpu")
+                   for k, shape, dtype, kind in layout}
+    with runtime.current().collective():
+        for k, *_ in layout:
+            t = tensors[k]
+            dist.broadcast(t if t.is_contiguous() else t.contiguous(), src=src, group=group)
+    return tensors
+
+
 def all_gather_json(obj, group: dist.ProcessGroup | None = None) -> list:
     """Every rank's ``obj`` (JSON values), in group rank order, without pickle."""
     data = _json_bytes(obj)

@@ -11,8 +11,8 @@ Every run is evaluated on the same episodes:
   each for the first run's episode length in env steps.
 
 Actions are the policy's most likely ones (``--sample`` draws them, from a generator seeded
-with ``--seed``, at the run's ``policy.temperature`` or ``--temperature``). Each task's result is successes/episodes, the success rate and its 95%
-Wilson score interval; with several runs (``dvla eval RUN_A RUN_B ...``) a side-by-side table
+with ``--seed``, at the run's ``policy.temperature`` or ``--temperature``). Each task's result
+is successes/episodes, the success rate and its 95% Wilson score interval; with several runs (``dvla eval RUN_A RUN_B ...``) a side-by-side table
 gives each run's difference from the first and the pooled two-proportion z-test's p-value,
 overall and per task (:mod:`dvla.eval_stats`). Each run's result is written to
 ``RUN_DIR/eval.json`` (LIBERO: ``RUN_DIR/eval_<suite>.json``), or all of them to ``--out FILE``,

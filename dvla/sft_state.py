@@ -18,16 +18,14 @@ import os
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dvla.checkpoint import CheckpointError, CheckpointManager, all_finite, section
 from dvla.config import ConfigError
-from dvla.distributed import all_gather_json, broadcast_json
+from dvla.distributed import all_gather_json, broadcast_json, broadcast_tensors, tensor_layout
 from dvla.normalize import METADATA_KEY as NORM_KEY
 from dvla.rundir import pick_run_dir
 from dvla.sharding import full_tensor
 from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
-from memory import runtime
 
 RANK_SEED = 104729  # a rank's random stream (a flow head's noise, dropout): run.seed + RANK_SEED * rank
 
@@ -101,17 +99,6 @@ def _set_rng_json(d: dict) -> None:
 # -- checkpoints ------------------------------------------------------------------------------
 
 
-def _share_tensors(tensors: dict[str, torch.Tensor] | None, head: dict) -> dict[str, torch.Tensor]:
-    """Rank 0's ``tensors`` on every rank, one broadcast each (``head`` lists them)."""
-    out = {}
-    with runtime.current().collective():
-        for name, shape, dtype in head["tensors"]:
-            t = tensors[name].contiguous() if dist.get_rank() == 0 else torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(t, 0)
-            out[name] = t
-    return out
-
-
 class SFTCheckpoints:
     """Rank 0 writes, every rank takes part (gathering shards, RNG states)."""
 
@@ -166,13 +153,12 @@ class SFTCheckpoints:
                 except ConfigError as exc:
                     broadcast_json({"error": str(exc)}, 0)
                     raise
-                head = {"manifest": manifest, "tensors": [[k, list(v.shape), str(v.dtype).removeprefix("torch.")]
-                                                          for k, v in (tensors or {}).items()]}
+                head = {"manifest": manifest, "tensors": tensor_layout(tensors or {})}
             head = broadcast_json(head, 0)
             if "error" in head:
                 raise RelayedError(head["error"])
             manifest = head["manifest"]
-            tensors = _share_tensors(tensors, head) if manifest is not None else None
+            tensors = broadcast_tensors(tensors, head["tensors"]) if manifest is not None else None
         if manifest is None:
             return 0
         learner.policy.load_state_dict(section(tensors, "policy/"))

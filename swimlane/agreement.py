@@ -23,11 +23,9 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dvla.config import ConfigError
-from dvla.distributed import all_gather_json, broadcast_json
-from memory import runtime
+from dvla.distributed import all_gather_json, broadcast_json, broadcast_tensors, tensor_layout
 from swimlane.checkpointing import Resumed, RunCheckpoints
 
 log = logging.getLogger("dvla.swimlane")
@@ -55,16 +53,9 @@ def agree(checkpoints: RunCheckpoints, resumed: Resumed | None, *, group, learne
     if rank == 0:
         manifest = {"env_steps": resumed.env_steps, "counters": resumed.counters} if full else {}
         tensors, meta = checkpoints.state(source, manifest) if full else (checkpoints.weights(), {})
-        layout = [[k, list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type]
-                  for k, t in sorted(tensors.items())]
-        obj = [layout, meta, str(resumed.path) if resumed is not None else ""]
+        obj = [tensor_layout(tensors), meta, str(resumed.path) if resumed is not None else ""]
     layout, meta, path = broadcast_json(obj, src=0, group=group)
-    if rank != 0:
-        tensors = {k: torch.empty(shape, dtype=getattr(torch, dtype), device=device if kind != "cpu" else "cpu")
-                   for k, shape, dtype, kind in layout}
-    with runtime.current().collective():  # (on the communication stream, as every collective)
-        for k, *_ in layout:
-            dist.broadcast(tensors[k], src=0, group=group)
+    tensors = broadcast_tensors(tensors if rank == 0 else None, layout, src=0, group=group, device=device)
     if rank == 0:
         return resumed
     if not full:
