@@ -45,5 +45,5 @@ setup(
         "data": ["pyarrow>=15", "h5py>=3.10", "pillow>=9"],
     },
     package_data={"dvla": ["data/*.txt"]},
-    entry_points={"console_scripts": ["dvla=dvla.cli:main", "dvla-train=dvla.launch:main"]},
+    entry_points={"console_scripts": ["dvla=dvla.app.cli:main", "dvla-train=dvla.launch:main"]},
 )

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from dvla.config import apply_overrides
-from dvla.presets import fast_reach
+from dvla.config.presets import fast_reach
 from swimlane import Swimlane, draw_gantt, load_trace
 
 BENCH_CONFIG = ["algo.proximal=loglinear", "swimlane.gradient_nice=3"]  # see the docstring

@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from dvla.config import apply_overrides
-from dvla.presets import fast_reach, genesis_reach
+from dvla.config.presets import fast_reach, genesis_reach
 from swimlane import Swimlane
 
 GRID = [(groups, turns) for groups in (1, 2, 3) for turns in (0, 1)]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 def colocated(args) -> bool:
     from dvla.config import apply_overrides
-    from dvla.presets import fast_reach
+    from dvla.config.presets import fast_reach
     from swimlane import Swimlane
 
     out = Path(tempfile.mkdtemp(prefix="gpu_paths_"))

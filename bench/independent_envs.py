@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 from dvla.config import apply_overrides
-from dvla.presets import fast_reach
+from dvla.config.presets import fast_reach
 from swimlane import Swimlane
 
 

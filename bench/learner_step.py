@@ -5,7 +5,7 @@ Builds ``token_vla`` at ``--size`` (random init) on ``--device``, draws one batc
 ``--samples`` decisions with the policy itself (synthetic observations: random images,
 the built-in tokenizer's instructions, random proprio), and times GRPO updates of that
 batch (``--updates`` after one warm-up), alternating fp32 and ``algo.precision=bf16``.
-``--fsdp`` adds ``algo.shard=fsdp`` with bf16 (``dvla/sharding.py``: one FSDP unit per
+``--fsdp`` adds ``algo.shard=fsdp`` with bf16 (``dvla/distributed/sharding.py``: one FSDP unit per
 transformer block) over a process group of this one process, or of the torchrun world (each
 rank then learns from the same batch): the sharded code path on one GPU.
 
@@ -36,7 +36,7 @@ from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig
 from dvla.distributed import default_backend, init_from_env
 from dvla.policy import PolicySpec, VLAPolicy, build_policy
-from dvla.sharding import shard_learner
+from dvla.distributed.sharding import shard_learner
 from dvla.types import Observation, RolloutBatch
 
 # Dense bf16 peak FLOP/s by device name (vendor figures, without sparsity).

@@ -22,7 +22,7 @@ import torch
 from dvla.config import EnvConfig
 from dvla.envs import make_env
 from dvla.envs.libero_env import EVAL_STEPS, LiberoTasks
-from dvla.eval_stats import wilson
+from dvla.evaluation.stats import wilson
 from dvla.envs.libero_expert import LiberoExpert, run_episodes
 
 

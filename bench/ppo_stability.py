@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import act_policy  # noqa: E402  (registers act_vla)
 
 from dvla.config import apply_overrides  # noqa: E402
-from dvla.presets import fast_reach  # noqa: E402
+from dvla.config.presets import fast_reach  # noqa: E402
 from swimlane import Swimlane  # noqa: E402
 
 BASE = [f"policy.name={act_policy.POLICY_NAME}", "policy.options={}", "policy.action_chunk=4",

@@ -10,7 +10,7 @@ scaling). Printed: env steps/s consumed by the learner and the speed-up
 against N=1 measured in the same run. Every process needs a core: with fewer cores
 than processes the speed-up is capped by the cores, and the output says so.
 
-Modelled: :func:`launch.planner.weak_scaling` for 8..1024 nodes, flat against
+Modelled: :func:`launch.cluster_model.weak_scaling` for 8..1024 nodes, flat against
 hierarchical weight broadcast (its bandwidth model is printed with it).
 
     python bench/scaling.py --rollouts 1,2,4 --iterations 12 --render-cost-ms 40
@@ -67,7 +67,7 @@ def main() -> None:
             print(f"  N={n}: {sps:8.0f} env steps/s  speed-up {sps / base:.2f}x  "
                   f"efficiency {sps / base / n:.2f}{note}", flush=True)
 
-    from launch.plan_cli import main as plan_main
+    from launch.plan_text import main as plan_main
 
     print(f"\nmodelled weak scaling ({args.params} parameters, {args.gpus_per_node} GPUs per node):")
     plan_main(["--nodes", "8,64,256,1024", "--params", args.params, "--gpus-per-node", str(args.gpus_per_node)])

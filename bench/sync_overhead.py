@@ -24,7 +24,7 @@ os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 import torch  # noqa: E402
 
 from dvla.config import apply_overrides  # noqa: E402
-from dvla.presets import genesis_reach  # noqa: E402
+from dvla.config.presets import genesis_reach  # noqa: E402
 from swimlane import Swimlane  # noqa: E402
 
 

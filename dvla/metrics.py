@@ -10,6 +10,7 @@ floats only, so the file loads directly with pandas (``pd.read_json(path, lines=
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import queue
@@ -18,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("dvla.metrics")
 
 
 class MetricsLogger:
@@ -124,4 +127,35 @@ def _short(r: dict[str, Any]) -> str:
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path) as fh:
         return [json.loads(line) for line in fh if line.strip()]
+
+
+def _row_iter(line: str) -> int | None:
+    """A metrics row's ``iter``; None for a torn or unreadable line (power loss, full disk)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return int(row.get("iter", 0)) if isinstance(row, dict) else None
+
+
+def truncate_metrics(path: Path, version: int) -> None:
+    """Drop the rows a stopped attempt logged at or after ``version``, the update (or SFT step)
+    its resume starts from, and any torn line (the last one of a crash mid-write) with a
+    warning. RL runs and ``dvla sft`` both truncate so at a resume."""
+    if not path.exists():
+        return
+    lines = path.read_text(errors="replace").splitlines(keepends=True)
+    keep = []
+    for n, ln in enumerate(lines, 1):
+        if not ln.strip():
+            continue
+        it = _row_iter(ln)
+        if it is None:
+            log.warning("%s: line %d is torn or not JSON (a crash mid-write?): dropped", path, n)
+        elif it < version:
+            keep.append(ln if ln.endswith("\n") else ln + "\n")
+    if "".join(keep) != "".join(lines):
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
 

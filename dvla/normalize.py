@@ -16,11 +16,11 @@
 A :class:`Normalizer` is kept beside the policy (``policy.normalizer``, not in its state
 dict): ``dvla sft`` writes it into ``weights.safetensors``' metadata (key
 ``normalization``) and ``normalization.json`` in its run directory, and
-:func:`dvla.init_weights.fit_policy` (``policy.init``, ``dvla eval``) installs it again.
+:func:`dvla.state.init_weights.fit_policy` (``policy.init``, ``dvla eval``) installs it again.
 An RL run keeps it as part of its state: every rank installs it at start-up (rank 0 sends it,
 :func:`swimlane.build.share_normalization`), and the run writes its own ``normalization.json``
 and the same metadata entry into its weights and checkpoints (their manifest), from which a
-resume restores it (:func:`dvla.init_weights.resumed_normalization`).
+resume restores it (:func:`dvla.state.init_weights.resumed_normalization`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dvla.atomic_io import save_text
+from dvla.state.atomic_io import save_text
 
 MIN_STD = 1e-3
 MIN_HALF_RANGE = 1e-4

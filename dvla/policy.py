@@ -53,7 +53,7 @@ class PolicySpec:
 class PolicyOutput:
     dist: ActionDistribution
     value: Tensor | None = None  # (B,)
-    # Set on sharded learners (dvla/sharding.py): the distribution's tensors, where FSDP looks
+    # Set on sharded learners (dvla/distributed/sharding.py): the distribution's tensors, where FSDP looks
     # for the outputs whose gradients start the backward pass of a unit.
     backward_anchors: tuple[Tensor, ...] = ()
 

@@ -12,7 +12,7 @@ What this shows
     - heads: a tanh-squashed diagonal Gaussian over the action chunk and a value head.
 * Its ``Config`` dataclass, which is what ``policy.options.*`` may set (checked on start-up).
 * Registering it with ``@register_policy`` and selecting it with ``policy.name=...``.
-* Training it on the ``fast_reach`` preset through the public API (``dvla.presets``,
+* Training it on the ``fast_reach`` preset through the public API (``dvla.config.presets``,
   ``dvla.config.apply_overrides``, ``swimlane.Swimlane(cfg).run()``), printing the success
   rate of every learner update through the swimlane's ``on_update`` hook.
 
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra dvla overrides, e.g. algo.lr=3e-4")
     args = parser.parse_args(argv)
 
-    from dvla import presets
+    from dvla.config import presets
     from swimlane import Swimlane
 
     out = Path(args.out)

@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="extra dvla overrides, e.g. algo.lr=3e-4")
     args = parser.parse_args(argv)
 
-    from dvla import presets
+    from dvla.config import presets
     from swimlane import Swimlane
 
     out = Path(args.out)

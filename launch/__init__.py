@@ -1,6 +1,6 @@
 """Start-up planning: which ranks share a host (``launch.topology``), who learns, who
 samples and how data and weights travel (``launch.placement``), and what that costs on
-a cluster (``launch.planner``, the ``dvla plan`` model).
+a cluster (``launch.cluster_model``, the ``dvla plan`` model).
 
 Not to be confused with ``dvla.launch``, the torchrun entry point.
 """

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dvla.checkpoint import CheckpointManager
+from dvla.state.checkpoint import CheckpointManager
 from dvla.config import JobConfig
 from dvla.distributed import resolve_device
 from dvla.envs import env_spec
@@ -41,7 +41,8 @@ from swimlane.build import (
     prepare_learner,
     share_normalization,
 )
-from swimlane.checkpointing import Resumed, RunCheckpoints, resume_learner, truncate_metrics
+from dvla.metrics import truncate_metrics
+from swimlane.checkpointing import Resumed, RunCheckpoints, resume_learner
 from swimlane.imbalance import RankBalance
 from swimlane.ordering import CollectiveOrder
 from swimlane.plan import RankPlan, plan_rank

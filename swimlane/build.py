@@ -23,11 +23,11 @@ from dvla.algos import build_algorithm
 from dvla.config import ConfigError, JobConfig, SwimlaneConfig
 from dvla.distributed import allreduce_mean_grads, broadcast_json
 from dvla.envs import env_spec, make_env
-from dvla.init_weights import check_normalization, load_init, resumed_normalization
+from dvla.state.init_weights import check_normalization, load_init, resumed_normalization
 from dvla.normalize import Normalizer
 from dvla.policy import ExtraSpec, PolicySpec, build_policy
 from dvla.rollout import cameras_of
-from dvla.sharding import checkpoint_activations, shard_learner
+from dvla.distributed.sharding import checkpoint_activations, shard_learner
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
 from memory import BudgetError, MemoryManager, TransientPool, parse_budget, runtime
@@ -202,7 +202,7 @@ def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Gr
     envs += [make_env(env_cfg, device, seed=seed + 7919 * rank + 15485863 * g) for g in range(1, plan.env_groups)]
     algo = learn_gen = None
     if plan.learner:
-        sync = None  # FSDP reduce-scatters its own gradients (dvla.sharding)
+        sync = None  # FSDP reduce-scatters its own gradients (dvla.distributed.sharding)
         if plan.grad_sync in ("mean", "masked_mean"):
             # Adaptive roles: a learner that sits an update out is left out of the mean.
             sync = partial(allreduce_mean_grads, group=groups.learner, masked=plan.grad_sync == "masked_mean")
@@ -225,7 +225,7 @@ def share_normalization(cfg: JobConfig, model: Model, rank: int, world: int, res
     """The normalisation (:mod:`dvla.normalize`) the run acts with, installed on every rank
     before its replicas are copied: rank 0 resolves it (a fresh run: what ``policy.init``
     brought, :func:`build_model`; a resume: what its checkpoint records,
-    :func:`dvla.init_weights.resumed_normalization`) and sends it to every rank as JSON over
+    :func:`dvla.state.init_weights.resumed_normalization`) and sends it to every rank as JSON over
     the default group (another host need not see rank 0's files). Every rank installs it on
     its policy and the KL reference, so that its replicas (copies of the policy) act with it;
     a resume whose record is damaged stops every rank with rank 0's one-line error. Run by

@@ -1,6 +1,6 @@
 """A run's checkpoints: what rank 0 saves (weights, the KL reference, optimizer and RNG
 state, counters, config, the policy's normalisation) and what every learner restores on
-``run.resume`` or after torchrun restarted its group (see :mod:`dvla.checkpoint` for the
+``run.resume`` or after torchrun restarted its group (see :mod:`dvla.state.checkpoint` for the
 files; the normalisation every rank then installs: :func:`swimlane.build.share_normalization`)."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from dvla.checkpoint import CheckpointManager, section
+from dvla.state.checkpoint import CheckpointManager, section
 from dvla.config import ConfigError
 from dvla.normalize import METADATA_KEY as NORM_KEY
-from dvla.sharding import full_tensor
-from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from dvla.distributed.sharding import full_tensor
+from dvla.state.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 
 log = logging.getLogger("dvla.swimlane")
 
@@ -116,34 +116,3 @@ def resume_learner(checkpoints: RunCheckpoints, *, resume: bool, restarts: int, 
             raise
         error = str(exc)
     return agree_on(got, error) if learner_ranks > 1 else got
-
-
-def _row_iter(line: str) -> int | None:
-    """A metrics row's ``iter``; None for a torn or unreadable line (power loss, full disk)."""
-    try:
-        row = json.loads(line)
-    except ValueError:
-        return None
-    return int(row.get("iter", 0)) if isinstance(row, dict) else None
-
-
-def truncate_metrics(path: Path, version: int) -> None:
-    """Drop the rows a crashed attempt logged after the checkpoint it resumes from, and any
-    torn line (the last one of a crash mid-write) with a warning."""
-    if not path.exists():
-        return
-    lines = path.read_text(errors="replace").splitlines(keepends=True)
-    keep = []
-    for n, ln in enumerate(lines, 1):
-        if not ln.strip():
-            continue
-        it = _row_iter(ln)
-        if it is None:
-            log.warning("%s: line %d is torn or not JSON (a crash mid-write?): dropped", path, n)
-        elif it < version:
-            keep.append(ln if ln.endswith("\n") else ln + "\n")
-    if "".join(keep) != "".join(lines):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
-

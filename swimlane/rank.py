@@ -17,7 +17,7 @@ from dvla.config import JobConfig
 from dvla.distributed import sum_over_group
 from dvla.metrics import MetricsLogger
 from dvla.rollout import EPISODE_TOTALS, cameras_of, episode_means, episode_totals
-from dvla.sharding import learner_bytes
+from dvla.distributed.sharding import learner_bytes
 from dvla.types import RolloutBatch
 from planes.control import SHUTDOWN
 from planes.data import DataPlaneConfig

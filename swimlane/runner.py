@@ -42,10 +42,10 @@ import logging
 import time
 from typing import Any, Callable
 
-from dvla.checkpoint import all_finite, save_weights, weights_digest
+from dvla.state.checkpoint import all_finite, save_weights, weights_digest
 from dvla.config import dump_yaml
 from dvla.normalize import FILE as NORM_FILE, METADATA_KEY as NORM_KEY
-from dvla.sharding import full_state_dict
+from dvla.distributed.sharding import full_state_dict
 from swimlane.driver import LaneError, SerialDriver, ThreadedDriver
 from swimlane.rank import _POLL_S, RankLanes
 from swimlane.status import serve_status

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from dvla.sharding import gathered_weights, is_sharded
+from dvla.distributed.sharding import gathered_weights, is_sharded
 from planes.buckets import module_weights, named_weights
 
 

@@ -23,7 +23,7 @@ import torch
 
 from dvla.distributions import ExtraSpec
 from dvla.envs.base import DEFAULT_REWARD_RANGE, EnvSpec
-from dvla.episodes import rollout_fields
+from dvla.rollout.episodes import rollout_fields
 from dvla.rollout import cameras_of
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, RolloutBatch
 from swimlane.chunks import DTYPES

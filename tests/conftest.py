@@ -37,7 +37,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from dvla import presets  # noqa: E402
+from dvla.config import presets  # noqa: E402
 from planes.serial import DTYPES  # noqa: E402
 
 

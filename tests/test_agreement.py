@@ -12,7 +12,7 @@ import pytest
 from ranks import spawn_ranks
 
 from dvla.config import apply_overrides
-from dvla.presets import debug
+from dvla.config.presets import debug
 
 
 def _worker(rank: int, port: int, per_rank: dict[int, list[str]], iterations: int, out) -> None:
@@ -21,7 +21,7 @@ def _worker(rank: int, port: int, per_rank: dict[int, list[str]], iterations: in
 
     from fake_runtime import installed
 
-    from dvla.checkpoint import weights_digest
+    from dvla.state.checkpoint import weights_digest
     from dvla.distributed import shutdown
     from swimlane import Swimlane
 

@@ -11,7 +11,7 @@ from dvla.algos.losses import clipped_policy_loss, gae, group_normalized_advanta
 from dvla.config import AlgoConfig
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug
+from dvla.config.presets import debug
 from dvla.rollout import collect_episodes
 
 
@@ -155,7 +155,7 @@ def _grouped_policy(groups_fn):
 
 def test_optim_groups_set_per_module_learning_rates_and_leave_frozen_parameters_out(tmp_path):
     from dvla.algos import build_algorithm
-    from dvla.checkpoint import CheckpointManager
+    from dvla.state.checkpoint import CheckpointManager
     from dvla.config import AlgoConfig
     from swimlane.checkpointing import RunCheckpoints
 
@@ -202,7 +202,7 @@ def test_optim_groups_must_cover_every_trainable_parameter_once():
 
 def test_weight_decay_runs_end_to_end_with_pooled_optimizer_state(tmp_path):
     from dvla.config import apply_overrides
-    from dvla.presets import debug
+    from dvla.config.presets import debug
     from swimlane import Swimlane
 
     lanes = Swimlane(apply_overrides(debug(), ["algo.weight_decay=0.05", "run.iterations=2",

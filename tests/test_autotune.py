@@ -131,7 +131,7 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
     bounds, the values and the count of decisions in every metrics row."""
     from dvla.config import apply_overrides
     from dvla.metrics import read_metrics
-    from dvla.presets import fast_reach
+    from dvla.config.presets import fast_reach
     from swimlane import Swimlane
 
     lanes = Swimlane(apply_overrides(fast_reach(), [
@@ -153,7 +153,7 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
     raised = max(r["autotune_env_groups"] for r in tuned)
     stepped = {int(g.split("/")[1]) for g, v in summary["balance"]["by_group"].items() if v["chunks"]}
     assert 0 in stepped and max(stepped) < raised
-    from dvla.report import make_report
+    from dvla.app.report.make import make_report
 
     result = make_report(tmp_path / "run")
     assert "autotune.png" in result["plots"] and result["plots"]["autotune.png"]["path"].is_file()
@@ -161,7 +161,7 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
 
 def test_autotune_is_for_async_threads():
     from dvla.config import ConfigError, apply_overrides
-    from dvla.presets import fast_reach
+    from dvla.config.presets import fast_reach
 
     with pytest.raises(ConfigError, match="autotune"):
         apply_overrides(fast_reach(), ["swimlane.autotune=true", "swimlane.mode=sync"]).validate()
@@ -180,7 +180,7 @@ def test_a_run_taking_turns_learns_and_accounts_for_every_chunk(tmp_path):
     its last update, every chunk sent is consumed or counted as dropped, and the success
     rate of the fast_reach task rises as in the other modes."""
     from dvla.config import apply_overrides
-    from dvla.presets import fast_reach
+    from dvla.config.presets import fast_reach
     from swimlane import Swimlane
 
     lanes = Swimlane(apply_overrides(fast_reach(), [

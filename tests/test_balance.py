@@ -133,7 +133,7 @@ def test_a_slow_rollout_rank_is_named_and_hands_an_env_group_to_a_fast_one(tmp_p
     assert balance["plan"]["shares"]["1"] > balance["plan"]["shares"]["2"]
     rows = read_metrics(run / "metrics.jsonl")
     assert any(r["stragglers"] >= 1 for r in rows) and rows[-1]["groups/rank1"] == 3.0
-    from dvla.report import make_report
+    from dvla.app.report.make import make_report
     report = make_report(run)
     assert "balance.png" in report["plots"] and "rebalancing: 1 env group move(s): " in report["summary"]
     fast, slow = (json.loads((run / f"summary_rank{r}.json").read_text()) for r in (1, 2))
@@ -144,7 +144,7 @@ def test_a_slow_rollout_rank_is_named_and_hands_an_env_group_to_a_fast_one(tmp_p
 def test_rank_options_and_the_rebalancing_settings_are_checked():
     from dvla.config import ConfigError, apply_overrides
     from dvla.envs import make_env
-    from dvla.presets import debug
+    from dvla.config.presets import debug
 
     cfg = apply_overrides(debug(), ["env.rank_options.2.render_wait_ms=5"]).validate()
     assert cfg.env.for_rank(2).options["render_wait_ms"] == 5 and "render_wait_ms" not in cfg.env.for_rank(1).options

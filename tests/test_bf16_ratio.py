@@ -16,7 +16,7 @@ from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig, apply_overrides
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug
+from dvla.config.presets import debug
 from dvla.rollout import collect_episodes
 
 CLIP = 0.002  # tighter than PPO's 0.2, so that the tiny model's bf16 gap shows as clipping
@@ -141,7 +141,7 @@ def _sharded_worker(rank: int, port: int, out) -> None:
     import torch.distributed as dist
 
     from dvla.distributed import allreduce_mean_grads
-    from dvla.sharding import gathered_weights, shard_learner
+    from dvla.distributed.sharding import gathered_weights, shard_learner
 
     try:
         torch.set_num_threads(1)

@@ -10,7 +10,7 @@ from dvla.algos.base import obs_of
 from dvla.config import ConfigError, EnvConfig, apply_overrides
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug
+from dvla.config.presets import debug
 from dvla.rollout import collect_episodes
 from swimlane.validate import ChunkSpec, check_chunk
 

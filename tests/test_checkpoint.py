@@ -17,11 +17,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-import dvla.atomic_io as atomic_io
-import dvla.checkpoint as ckpt
-from dvla.atomic_io import save_safetensors
-from dvla.checkpoint import CheckpointError, CheckpointManager
-from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
+import dvla.state.atomic_io as atomic_io
+import dvla.state.checkpoint as ckpt
+from dvla.state.atomic_io import save_safetensors
+from dvla.state.checkpoint import CheckpointError, CheckpointManager
+from dvla.state.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 
 
 def sample_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -97,7 +97,7 @@ class Crash(RuntimeError):
 
 
 def _crash_in_writer(monkeypatch):
-    real = atomic_io.save_file  # the checkpoint's tensors go through dvla.atomic_io
+    real = atomic_io.save_file  # the checkpoint's tensors go through dvla.state.atomic_io
 
     def half_then_crash(tensors, filename, metadata=None):
         real(tensors, filename, metadata=metadata)
@@ -291,7 +291,7 @@ def test_corruption_is_refused_and_latest_falls_back(tmp_path, caplog, kind):
         mgr.load(bad)
     mgr.verify(good)
 
-    with caplog.at_level(logging.ERROR, logger="dvla.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="dvla.state.checkpoint"):
         c = mgr.load_latest()
     assert c.path == good and c.step == 1
     assert len(mgr.skipped) == 1

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from dvla.cli import BENCH_DIR, COMMANDS, main
+from dvla.app.bench import BENCH_DIR
+from dvla.app.cli import COMMANDS, main
 
 
 def test_help_lists_every_subcommand(capsys):
@@ -40,7 +41,7 @@ def test_plan_prints_the_model(capsys):
 def test_plan_takes_a_registered_policys_parameter_count(capsys):
     """``--params token_vla:size=7b``: the named size's count (built on the meta device)."""
     pytest.importorskip("transformers")
-    from dvla.cli import policy_params
+    from dvla.app.plan import policy_params
 
     count = int(policy_params(["--nodes", "8", "--params", "token_vla:size=7b"])[-1])
     assert 6.5e9 < count < 7.5e9

@@ -1,9 +1,9 @@
 import pytest
 
 from dvla.config import ConfigError, JobConfig, apply_overrides, load_yaml, parse_override
-from dvla.launch import parse_config
+from dvla.app.train import parse_config
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import PRESETS, get_preset
+from dvla.config.presets import PRESETS, get_preset
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -87,7 +87,7 @@ def test_policy_options_are_checked():
 
 
 def test_switching_a_component_drops_the_presets_options():
-    from dvla.presets import fast_reach
+    from dvla.config.presets import fast_reach
 
     cfg = apply_overrides(fast_reach(), ["env.name=gym", "env.options.gym_id=Pendulum-v1"])
     assert cfg.env.options == {"gym_id": "Pendulum-v1"}  # fast_reach's 'privileged' is gone
@@ -96,7 +96,7 @@ def test_switching_a_component_drops_the_presets_options():
 
 
 def test_check_config_validates_components_without_building_them():
-    from dvla.launch import check_config
+    from dvla.app.train import check_config
 
     check_config(get_preset("debug"))
     for override, match in [
@@ -161,7 +161,7 @@ def test_command_line_mistakes_are_config_errors():
 
 
 def test_listed_curve_keys_need_persistent_client_keys(tmp_path):
-    from dvla.presets import debug
+    from dvla.config.presets import debug
 
     (tmp_path / "pub").mkdir()
     with pytest.raises(ConfigError, match=r"data_plane.curve_authorized_dir: admits only listed client keys.*"

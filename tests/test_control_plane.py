@@ -11,7 +11,7 @@ import torch.distributed as dist
 from ranks import RankPool, free_port
 from torch import nn
 
-from dvla.checkpoint import save_weights
+from dvla.state.checkpoint import save_weights
 from dvla.distributed import shutdown
 from planes.subscriber import WeightSubscriber
 from planes.control import (LayoutMismatchError, WeightBroadcaster, hierarchical_stages,

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dvla.config import apply_overrides
-from dvla.presets import debug
+from dvla.config.presets import debug
 from fake_runtime import FakeRuntime, installed
 from memory import MemoryManager, TransientPool
 from memory.runtime import DisciplineError, Runtime, visible_device_env

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dvla.cli import main as cli
+from dvla.app.cli import main as cli
 from dvla.config import JobConfig
-from dvla.config_doc import BEGIN, DOC_PAGE, END, field_docs, reference, rows, write
+from dvla.config.reference import BEGIN, DOC_PAGE, END, field_docs, reference, rows, write
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -68,7 +68,7 @@ def test_write_replaces_only_the_marked_block(tmp_path, capsys):
 def test_write_without_a_path_writes_the_docs_page(monkeypatch, tmp_path, capsys):
     page = tmp_path / "configuration.md"
     page.write_text(f"{BEGIN}\nOLD\n{END}\n")
-    monkeypatch.setattr("dvla.config_doc.DOC_PAGE", page)
+    monkeypatch.setattr("dvla.config.reference.DOC_PAGE", page)
     assert cli(["config-ref", "--write"]) == 0
     assert reference() in page.read_text() and "updated" in capsys.readouterr().out
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from dvla.cli import COMMANDS
+from dvla.app.cli import COMMANDS
 
 
 def launch(*args, cwd, module="dvla.launch", timeout=120):
@@ -69,7 +69,7 @@ def test_unknown_dvla_command(tmp_path):
 def test_dvla_help_lists_the_commands(tmp_path):
     proc = launch("--help", cwd=tmp_path, module="dvla.cli")
     assert proc.returncode == 0
-    for cmd, what in COMMANDS.items():  # one line each: the command and what it does
-        assert any(ln.strip().startswith(f"dvla {cmd} ") and ln.endswith(what) for ln in proc.stdout.splitlines()), \
+    for cmd, command in COMMANDS.items():  # one line each: the command and what it does
+        assert any(ln.strip().startswith(f"dvla {cmd} ") and ln.endswith(command.what) for ln in proc.stdout.splitlines()), \
             (cmd, proc.stdout)
     assert "``" not in proc.stdout

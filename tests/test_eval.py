@@ -10,11 +10,11 @@ import shutil
 import pytest
 import torch
 
-from dvla.checkpoint import save_weights
-from dvla.cli import main as cli
+from dvla.state.checkpoint import save_weights
+from dvla.app.cli import main as cli
 from dvla.config import apply_overrides
-from dvla.eval_stats import two_proportion_test, wilson
-from dvla.presets import debug
+from dvla.evaluation.stats import two_proportion_test, wilson
+from dvla.config.presets import debug
 
 pytestmark = pytest.mark.xdist_group("eval")
 

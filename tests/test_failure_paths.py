@@ -15,12 +15,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dvla import launch
-from dvla.checkpoint import CheckpointManager
+from dvla.app import run as app_run, train as launch
+from dvla.state.checkpoint import CheckpointManager
 from dvla.config import ConfigError, apply_overrides
-from dvla.presets import debug
-from dvla.rundir import LATEST, latest_run, new_run_dir, point_latest
-from swimlane.checkpointing import truncate_metrics
+from dvla.config.presets import debug
+from dvla.state.rundir import LATEST, latest_run, new_run_dir, point_latest
+from dvla.metrics import truncate_metrics
 from swimlane.trace import Tracer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,8 +76,8 @@ def test_a_startup_failure_discards_the_new_run_and_resume_takes_the_newest_with
     cfg = apply_overrides(debug(), [f"run.out_dir={base}", "run.resume=true"])
     logging.getLogger("dvla").addHandler(caplog.handler)  # train() gave dvla a handler of its own
     with caplog.at_level(logging.INFO, logger="dvla"):
-        run, resumed, _ = launch._choose_run_dir(cfg, 0)
-    assert run == old and resumed
+        got = app_run.share_run_dir(cfg.run.out_dir, cfg, 0, 1, 0)
+    assert got.path == old and got.resumed
     assert any("old" in r.getMessage() and "checkpoint" in r.getMessage() for r in caplog.records), caplog.text
 
 
@@ -189,7 +189,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(tmp_path):
 
 
 def test_resume_refuses_what_cannot_continue_and_logs_what_changed():
-    from dvla.rundir import check_resume_config
+    from dvla.state.rundir import check_resume_config
 
     old = debug().to_dict()
 
@@ -254,12 +254,12 @@ def test_a_lost_rank_is_one_line_with_what_to_run_next(tmp_path, monkeypatch, ca
 
     monkeypatch.setattr(swimlane, "Swimlane", Lost)
     monkeypatch.setattr(launch, "init_from_env", lambda **k: (1, 3))
-    monkeypatch.setattr(launch, "share_run_dir", lambda *a: (tmp_path, False, None))
+    monkeypatch.setattr(launch, "share_run_dir", lambda *a: app_run.RunDir(tmp_path, False, None))
 
     def leave(code):
         raise SystemExit(code)
 
-    monkeypatch.setattr(launch, "_abandon", leave)
+    monkeypatch.setattr(app_run, "abandon", leave)
     with pytest.raises(SystemExit):
         launch.train(SimpleNamespace(verbose=False, debug=False), apply_overrides(debug(), []))
     err = capsys.readouterr().err

@@ -14,7 +14,7 @@ import torch
 from dvla.config import EnvConfig, apply_overrides
 from dvla.envs import env_spec, make_env
 from dvla.metrics import read_metrics
-from dvla.presets import genesis_reach
+from dvla.config.presets import genesis_reach
 from swimlane.runner import Swimlane
 
 if importlib.util.find_spec("genesis") is None:

@@ -15,7 +15,7 @@ from dvla.config import apply_overrides
 from dvla.envs import make_env
 from dvla.heads.flow import FlowMatchingHead, MLPVelocity
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug, fast_reach
+from dvla.config.presets import debug, fast_reach
 from dvla.rollout import collect_episodes
 from dvla.types import Observation
 from swimlane.chunks import ChunkError, batch_from_tensors

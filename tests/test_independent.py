@@ -11,10 +11,10 @@ from dvla.algos.losses import gae
 from dvla.config import ConfigError, EnvConfig, apply_overrides
 from dvla.envs import make_env
 from dvla.envs.base import BatchedEnv, EnvSpec
-from dvla.episodes import StreamRecorder
+from dvla.rollout.episodes import StreamRecorder
 from dvla.metrics import read_metrics
 from dvla.policy import ActOutput
-from dvla.presets import fast_reach
+from dvla.config.presets import fast_reach
 from dvla.types import Observation
 from swimlane import Swimlane
 

@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dvla.cli import main as cli
+from dvla.app.cli import main as cli
 from dvla.config import ConfigError, apply_overrides
 from dvla.normalize import Normalizer
-from dvla.presets import get_preset
+from dvla.config.presets import get_preset
 
 pytestmark = pytest.mark.xdist_group("init_ranks")
 
@@ -107,7 +107,7 @@ def test_a_resumed_run_holds_the_normalisation_exactly_without_the_sft_run(sft_r
     resume restores it into the policy, the KL reference and the replicas that act, even
     with the SFT run and the run's own normalization.json deleted."""
     from dvla.evaluation import load_policy
-    from dvla.init_weights import read_weights
+    from dvla.state.init_weights import read_weights
 
     sft, out = copy_of(sft_run, tmp_path), tmp_path / "rl"
     want = Normalizer.from_json((sft / "normalization.json").read_text())

@@ -15,7 +15,7 @@ from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig, apply_overrides
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug, fast_reach
+from dvla.config.presets import debug, fast_reach
 from dvla.rollout import collect_episodes
 
 
@@ -135,7 +135,7 @@ def test_activation_checkpointing_gives_the_same_update():
     backward pass): the weights after an update equal those of an update that kept its
     activations; a policy that names no blocks is refused."""
     pytest.importorskip("transformers")
-    from dvla.sharding import checkpoint_activations
+    from dvla.distributed.sharding import checkpoint_activations
 
     cfg = apply_overrides(debug(), ["policy.name=token_vla", "policy.options={}", "policy.options.n_bins=21",
                                     "env.image_size=16", 'policy.options.vision={"image_size": 16}'])

@@ -253,8 +253,8 @@ def test_bad_options_are_one_line_errors():
 def test_a_training_update_then_dvla_eval(tmp_path, capsys):
     """One GRPO update of TinyVLA on a LIBERO task through the swimlane (sync mode, physics
     only), then ``dvla eval`` scores its checkpoint on the suite's fixed initial states."""
-    from dvla import presets
-    from dvla.cli import main as cli
+    from dvla.config import presets
+    from dvla.app.cli import main as cli
     from swimlane import Swimlane
 
     cfg = presets.libero_spatial()
@@ -285,7 +285,7 @@ def test_a_training_update_then_dvla_eval(tmp_path, capsys):
 def test_the_transformer_vla_preset_reads_both_cameras(tmp_path):
     """``libero_spatial_token``: the token VLA takes an update on rendered agent-view and
     wrist images, both recorded in its trajectories."""
-    from dvla import presets
+    from dvla.config import presets
     from swimlane import Swimlane
 
     cfg = presets.libero_spatial_token()

@@ -5,7 +5,7 @@ import pytest
 
 from dvla.config import apply_overrides
 from dvla.metrics import MetricsLogger, read_metrics
-from dvla.presets import debug
+from dvla.config.presets import debug
 from swimlane import Swimlane
 
 

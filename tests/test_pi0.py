@@ -17,7 +17,7 @@ from dvla.config import EnvConfig, apply_overrides
 from dvla.envs import make_env
 from dvla.heads.flow import FlowMatchingHead, time_features
 from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, build_policy, register_policy
-from dvla.presets import fast_reach
+from dvla.config.presets import fast_reach
 from dvla.rollout import collect_episodes
 from dvla.types import Observation
 
@@ -245,7 +245,7 @@ def test_a_checkpoint_that_does_not_fit_is_one_error_naming_the_keys(tmp_path):
 def test_dvla_plan_counts_the_pi0_shape():
     """``--params pi0_vla:size=3b``: pi0's 3.3B (SigLIP-So400m, Gemma-2B, a 300M expert),
     counted on the meta device."""
-    from dvla.cli import policy_params
+    from dvla.app.plan import policy_params
 
     count = int(policy_params(["--params", "pi0_vla:size=3b"])[-1])
     assert 3.0e9 < count < 3.5e9, count

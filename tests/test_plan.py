@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from dvla.config import apply_overrides
-from dvla.presets import debug, fast_reach
+from dvla.config.presets import debug, fast_reach
 from launch.placement import place
 from launch.topology import from_spec
 from swimlane import Swimlane

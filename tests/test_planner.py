@@ -1,4 +1,4 @@
-"""launch.planner: the broadcast cost model, the arithmetic placement shape, weak
+"""launch.cluster_model: the broadcast cost model, the arithmetic placement shape, weak
 scaling and the ``dvla plan`` command."""
 
 import itertools
@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from launch import planner
+from launch import cluster_model as planner
 from launch.placement import place
-from launch.plan_cli import main
-from launch.planner import (
+from dvla.app.plan import main
+from launch.cluster_model import (
     PLACE_MAX_RANKS,
     flat_broadcast,
     hierarchical_broadcast,
@@ -181,10 +181,12 @@ def test_main_show_placement_and_errors(capsys):
     assert "host1 (ranks 2-3)" in out and "leader, from 0 (inter-node)" in out
     assert main(["--nodes", "1024", "--show-placement"]) == 0
     assert "too large to list" in capsys.readouterr().out
-    for bad in (["--params", "seven"], ["--nodes", "0"], ["--learner-fraction", "2"]):
+    for bad in (["--nodes", "0"], ["--learner-fraction", "2"]):
         with pytest.raises(SystemExit) as exc:
             main(bad)
         assert exc.value.code == 2
+    # not a count: the name of a registered policy, which it is not
+    assert main(["--params", "seven"]) == 2 and "unknown policy 'seven'" in capsys.readouterr().err
 
 
 def test_memory_per_rank_today_and_sharded():
@@ -192,7 +194,7 @@ def test_memory_per_rank_today_and_sharded():
     (16 B/param) and, as the source, an fp32 snapshot (4 B/param); colocated, also two fp32
     replicas. Sharded over 8 learners the 16 B/param split 8 ways and the snapshot is held in
     the publish dtype; LoRA-like training (1% trainable) leaves little besides the weights."""
-    from launch.planner import rank_memory
+    from launch.cluster_model import rank_memory
 
     p = 7e9
     assert rank_memory(p).total == 20 * p

@@ -90,7 +90,7 @@ def test_entry_points_register_without_any_flag(plugin_dir, tmp_path):
 def test_an_import_error_says_its_root_cause(tmp_path, capsys):
     """transformers re-raises a failed lazy import as ``Could not import module 'LlamaConfig'``;
     the cause (say, a torchvision build that does not match torch) is what to fix."""
-    from dvla.cli import main
+    from dvla.app.cli import main
     from dvla.config import ConfigError
     from dvla.plugins import import_plugin
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dvla.config import apply_overrides
-from dvla.presets import debug
+from dvla.config.presets import debug
 from dvla.types import RolloutBatch
 from swimlane import LaneError, Swimlane
 from swimlane.channels import Chunk

@@ -208,7 +208,7 @@ def test_a_value_head_may_be_a_separate_module(tmp_path):
     from dvla.metrics import read_metrics
     from dvla.models.tiny_vla import TinyVLA
     from dvla.policy import POLICY_REGISTRY, register_policy
-    from dvla.presets import debug
+    from dvla.config.presets import debug
     from swimlane import Swimlane
 
     if "separate_critic_vla" not in POLICY_REGISTRY:

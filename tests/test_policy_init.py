@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dvla.checkpoint import save_weights
+from dvla.state.checkpoint import save_weights
 from dvla.config import ConfigError, apply_overrides
-from dvla.presets import debug
+from dvla.config.presets import debug
 
 pytestmark = pytest.mark.xdist_group("policy_init")
 
@@ -56,7 +56,7 @@ def test_an_rl_run_starts_from_the_sft_runs_weights_and_kl_reference(sft_run, tm
 
 
 def test_a_file_or_a_checkpoint_directory_works_too(sft_run, tmp_path):
-    from dvla.init_weights import read_weights
+    from dvla.state.init_weights import read_weights
 
     ck = read_weights(sft_run / "checkpoints" / "step-00000001")
     assert ck.policy == "tiny_vla" and ck.version == 1
@@ -117,7 +117,7 @@ def test_weights_of_another_policy_or_shape_stop_the_launcher_in_one_line(sft_ru
 def test_a_resume_may_drop_or_change_policy_init_but_not_the_policy():
     """A resumed run continues from its checkpoint: the weights it started from no longer
     matter, so changing ``policy.init`` is no reason to refuse; the policy's own options are."""
-    from dvla.rundir import check_resume_config
+    from dvla.state.rundir import check_resume_config
 
     old = {"policy": {"name": "tiny_vla", "init": "/runs/sft", "options": {}}, "run": {"iterations": 10}}
     assert check_resume_config(old, {**old, "policy": {**old["policy"], "init": None}}, done=5) == []

@@ -18,7 +18,7 @@ from dvla.algos.guards import lr_factor, value_loss
 from dvla.config import AlgoConfig, ConfigError, apply_overrides
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug
+from dvla.config.presets import debug
 
 OPTIONS = {**debug().policy.options, "value_head": True}
 

@@ -14,7 +14,7 @@ from dvla.config import EnvConfig, apply_overrides
 from dvla.distributions import ActionDistribution, GaussianActionDistribution
 from dvla.envs.base import BatchedEnv, EnvSpec
 from dvla.policy import ActOutput, chunk_log_probs
-from dvla.presets import fast_reach
+from dvla.config.presets import fast_reach
 from dvla.rollout import EpisodeRecorder
 from dvla.types import Observation
 

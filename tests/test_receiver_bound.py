@@ -96,7 +96,7 @@ def test_a_job_bounds_its_receiver_by_its_largest_chunk():
 
     from dvla.envs import make_env
     from dvla.policy import PolicySpec, build_policy
-    from dvla.presets import debug
+    from dvla.config.presets import debug
     from dvla.rollout import collect_episodes
     from planes.serial import encode
     from swimlane.validate import ChunkSpec

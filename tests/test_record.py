@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dvla.cli import main as cli
+from dvla.app.cli import main as cli
 from dvla.config import EnvConfig, apply_overrides
 from dvla.datasets import DatasetError, Episode, open_dataset
 from dvla.datasets.lerobot_format import write_lerobot
@@ -119,10 +119,10 @@ def test_dvla_record_cli_expert_and_policy(tmp_path, capsys):
     assert len(data) == 3 and all(e.success for e in data)
     assert json.loads((out / "meta/info.json").read_text())["dvla"]["source"] == "expert fast_reach"
     # a run's policy, chunks of 3 actions executed one per frame
-    from dvla.checkpoint import save_weights
+    from dvla.state.checkpoint import save_weights
     from dvla.config import dump_yaml
     from dvla.policy import PolicySpec, build_policy
-    from dvla.presets import debug
+    from dvla.config.presets import debug
 
     run = tmp_path / "run"
     run.mkdir()

@@ -16,10 +16,10 @@ import pytest
 import torch
 from ranks import torchrun_workers
 
-from dvla.checkpoint import CheckpointManager
+from dvla.state.checkpoint import CheckpointManager
 from dvla.config import ConfigError, apply_overrides
 from dvla.metrics import read_metrics
-from dvla.presets import debug
+from dvla.config.presets import debug
 from swimlane import Swimlane
 
 

@@ -9,8 +9,8 @@ from PIL import Image
 
 from dvla.config import apply_overrides
 from dvla.metrics import read_metrics
-from dvla.presets import debug
-from dvla.report import main, make_report
+from dvla.config.presets import debug
+from dvla.app.report.make import main, make_report
 from swimlane import Swimlane
 
 ALL_PLOTS = {"success.png", "return.png", "throughput.png", "staleness.png", "lanes.png", "gantt.png",
@@ -222,8 +222,8 @@ def test_tracer_saves_its_meta_and_its_time_base(tmp_path):
 
 
 def test_gantt_draws_every_rank_in_seconds_since_the_run_started(tmp_path):
-    from dvla.report_data import load_traces
-    from dvla.report_gantt import align_traces
+    from dvla.app.report.data import load_traces
+    from dvla.app.report.gantt import align_traces
 
     run = two_rank_run(tmp_path / "run")
     notes = []

@@ -15,7 +15,7 @@ from test_balance import Clock
 from dvla.config import apply_overrides
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug
+from dvla.config.presets import debug
 from dvla.rollout import collect_episodes
 
 # What each of the two learners trains on in three updates: a batch index, or None (it sits
@@ -244,7 +244,7 @@ def test_a_rank_moves_between_rollout_and_learning_mid_run(tmp_path):
     import json
 
     from dvla.metrics import read_metrics
-    from dvla.report import make_report
+    from dvla.app.report.make import make_report
     from tests.ranks import torchrun_job
 
     run = torchrun_job(tmp_path, "roles", [

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from dvla import cli
+from dvla.app import cli
 from dvla.config import ConfigError
-from dvla.rundir import (LATEST, choose_run_dir, discard_new_run, find_latest_run, latest_run, new_run_dir,
+from dvla.state.rundir import (LATEST, choose_run_dir, discard_new_run, find_latest_run, latest_run, new_run_dir,
                          resolve_run_arg)
 
 
@@ -96,9 +96,9 @@ def test_report_without_an_argument_takes_the_latest_run(tmp_path, monkeypatch, 
     run = new_run_dir(Path("runs") / "debug")
     (run / "config.yaml").write_text("{}\n")
     seen = []
-    import dvla.report
+    import dvla.app.report.make
 
-    monkeypatch.setattr(dvla.report, "main", lambda argv: seen.append(argv) or 0)
+    monkeypatch.setattr(dvla.app.report.make, "main", lambda argv: seen.append(argv) or 0)
     assert cli.main(["report", "--out", "rep"]) == 0
     assert seen[-1] == [str(run), "--out", "rep"]
     assert f"using the newest run, {run}" in capsys.readouterr().err
@@ -166,7 +166,7 @@ def test_torchrun_ranks_share_one_run_directory_and_rank0_logs_placement(tmp_pat
 
 
 def test_verbose_is_exposed_to_the_simulators(monkeypatch, capsys):
-    from dvla.launch import main
+    from dvla.app.train import main
 
     monkeypatch.delenv("DVLA_VERBOSE", raising=False)
     assert main(["--preset", "debug", "--print-config"]) == 0

@@ -12,9 +12,9 @@ from dvla.config import ConfigError, EnvConfig, apply_overrides
 from dvla.envs.base import BatchedEnv, EnvSpec
 from dvla.metrics import read_metrics
 from dvla.policy import ActOutput
-from dvla.presets import fast_reach
+from dvla.config.presets import fast_reach
 from dvla.rollout import episode_stats
-from dvla.segments import SegmentRecorder
+from dvla.rollout.segments import SegmentRecorder
 from dvla.types import Observation
 from swimlane import Swimlane
 from swimlane.validate import ChunkSpec, check_chunk

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dvla.cli import main as cli
+from dvla.app.cli import main as cli
 from dvla.config import apply_overrides
 from dvla.datasets import Episode
 from dvla.datasets.lerobot_format import write_lerobot
@@ -23,12 +23,12 @@ from dvla.distributions import BinnedActionDistribution, GaussianActionDistribut
 from dvla.envs import env_spec, make_env
 from dvla.evaluation import EvalSetup, evaluate, evaluate_env, load_policy
 from dvla.heads.flow import FlowMatchingHead
-from dvla.init_weights import load_init
+from dvla.state.init_weights import load_init
 from dvla.models.tiny_vla import TinyVLA
 from dvla.normalize import Normalizer
 from dvla.policy import PolicySpec, build_policy, register_policy
-from dvla.presets import get_preset
-from dvla.sft import load_frames
+from dvla.config.presets import get_preset
+from dvla.app.sft.train import load_frames
 
 FAST = ["run.progress=false", "run.tensorboard=false", "run.torch_threads=1"]
 
@@ -245,7 +245,7 @@ def sft_then_rl(data: Path, tmp: Path, seed: int = 0, sft_steps: int = 90, rl_up
     serial sync driver (deterministic), with ``rl_overrides``; both seeded ``seed``."""
     from swimlane import Swimlane
 
-    from dvla.checkpoint import weights_digest
+    from dvla.state.checkpoint import weights_digest
 
     run = sft(tmp / "sft", data, f"run.iterations={sft_steps}", f"run.seed={seed}")
     trained = evaluate(run, RECIPE_EVAL, log=lambda s: None)
@@ -276,7 +276,7 @@ def test_sft_on_expert_demos_then_rl_from_it_raises_success_significantly(data, 
     updates: seed 0 95 -> 244, seeds 1-5: 87 -> 240, 62 -> 136, 137 -> 246, 31 -> 236, 99 -> 245.
     RL that changes nothing (``algo.lr=1e-12``: 95 -> 95) fails it, and so do 2 updates (95 ->
     119: p 0.03, under the margin). About 8-15 s on 2 CPU cores."""
-    from dvla.eval_stats import compare
+    from dvla.evaluation.stats import compare
 
     base, trained, rl = sft_then_rl(data, tmp_path)
     n = RECIPE_EVAL.episodes

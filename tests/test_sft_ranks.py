@@ -19,9 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dvla.checkpoint import CheckpointManager
-from dvla.cli import main as cli
-from dvla.sft_data import GlobalBatches, shard
+from dvla.state.checkpoint import CheckpointManager
+from dvla.app.cli import main as cli
+from dvla.datasets.frames import GlobalBatches, shard
 from test_sft import FAST, data, one_line, sft  # noqa: F401 (data: the fast_reach demonstrations fixture)
 
 # Shares of different sizes (16 and 15 frames) and masked steps (chunks of 2): the weighting
@@ -95,11 +95,11 @@ def test_two_ranks_follow_one_ranks_loss_curve_to_its_weights(data, one_rank, tm
 @pytest.mark.slow
 def test_fsdp_ranks_checkpoint_whole_tensors_resume_resharded_and_leave_a_run_that_loads(data, one_rank, tmp_path):
     """torchrun, two ranks, FSDP2 (``algo.shard`` auto: several ranks shard, as RL learners do):
-    4 steps, then ``--resume`` to 8 (through ``dvla.cli``); the curve and weights are one
+    4 steps, then ``--resume`` to 8 (through ``dvla.app.cli``); the curve and weights are one
     rank's; ``policy.init`` and ``dvla eval``'s loader take the run. (~30 s)"""
     from dvla.envs import env_spec, make_env
     from dvla.evaluation import load_policy
-    from dvla.init_weights import load_init
+    from dvla.state.init_weights import load_init
     from dvla.policy import PolicySpec, build_policy
 
     base = tmp_path / "fsdp"

@@ -17,7 +17,7 @@ from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig, ConfigError, apply_overrides
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug
+from dvla.config.presets import debug
 from dvla.rollout import collect_episodes
 
 TOKEN_VLA = ["policy.name=token_vla", "policy.options={}", "policy.options.n_bins=21", "env.image_size=16",
@@ -37,7 +37,7 @@ def _learners(policy, acfg, group, recompute: bool):
     """An unsharded learner (gradients all-reduced) and a sharded one, from the same weights;
     ``recompute``: the sharded one checkpoints its blocks' activations."""
     from dvla.distributed import allreduce_mean_grads
-    from dvla.sharding import checkpoint_activations, shard_learner
+    from dvla.distributed.sharding import checkpoint_activations, shard_learner
 
     plain = build_algorithm(acfg, copy.deepcopy(policy), partial(allreduce_mean_grads, group=group))
     sharded = build_algorithm(acfg, copy.deepcopy(policy))
@@ -50,7 +50,7 @@ def _learners(policy, acfg, group, recompute: bool):
 def _update_worker(rank: int, port: int, case: str, out) -> None:
     import torch.distributed as dist
 
-    from dvla.sharding import gathered_weights, is_sharded, local_bytes
+    from dvla.distributed.sharding import gathered_weights, is_sharded, local_bytes
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
@@ -135,7 +135,7 @@ def test_sharded_learners_publish_and_checkpoint_the_gathered_weights(tmp_path):
     hold the whole model; a resumed run reshards them and carries on."""
     from safetensors.torch import load_file
 
-    from dvla.checkpoint import CheckpointManager
+    from dvla.state.checkpoint import CheckpointManager
 
     run = ["run.iterations=4", "run.save_every=2", "swimlane.learner_ranks=2", "algo.shard=fsdp"]
     out = torchrun_job(tmp_path, "sharded", run, nproc=3)
@@ -183,7 +183,7 @@ def test_sharded_bf16_learners_learn_fast_reach(tmp_path):
     master weights, gradient reduction and optimizer state): every update finite, success
     rises on a fixed seed, and each learner holds about half of the weights and Adam moments.
     18 updates: success 0.11 -> 0.71 (first and last 5; 25 updates, 0.11 -> 0.95, took 7 s more)."""
-    from dvla.presets import fast_reach
+    from dvla.config.presets import fast_reach
 
     out = torchrun_job(tmp_path, "bf16", ["run.iterations=18", "swimlane.learner_ranks=2", "algo.shard=fsdp",
                                           "algo.precision=bf16", "swimlane.mode=sync", "env.image_size=16",
@@ -221,7 +221,7 @@ def test_a_policy_whose_output_hides_its_tensors_from_fsdp_is_an_error(tmp_path,
     stepping on unsynchronised gradients (a group of one process is enough to see it)."""
     import torch.distributed as dist
 
-    import dvla.sharding as sharding
+    import dvla.distributed.sharding as sharding
 
     monkeypatch.setattr(sharding, "_anchor_distribution", lambda module, args, output: output)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)

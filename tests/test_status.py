@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dvla.config import ConfigError, apply_overrides
-from dvla.presets import debug
+from dvla.config.presets import debug
 from swimlane import Swimlane
 from swimlane.status import PROMETHEUS, StatusServer, metric_name, prom_value, render_metrics, serve_status
 

@@ -15,7 +15,7 @@ from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug
+from dvla.config.presets import debug
 from dvla.rollout import collect_episodes
 from planes.buckets import flat_buckets
 from swimlane.streams import LaneStream, tensors_of

@@ -14,7 +14,7 @@ import torch
 
 from dvla.config import ConfigError, apply_overrides
 from dvla.metrics import read_metrics
-from dvla.presets import debug, fast_reach
+from dvla.config.presets import debug, fast_reach
 from dvla.rollout import collect_episodes
 from swimlane import LaneError, Swimlane, draw_gantt, load_trace, utilization
 from swimlane.channels import Chunk

@@ -13,7 +13,7 @@ from dvla.config import apply_overrides
 from dvla.envs import make_env
 from dvla.heads.tokens import TokenActionHead
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import debug
+from dvla.config.presets import debug
 from dvla.types import Observation
 
 SMALL = {"hidden_dim": 16, "vision_channels": 4, "embed_dim": 4, "n_bins": 21, "flow_steps": 3, "init_log_std": -1.0}

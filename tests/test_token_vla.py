@@ -14,7 +14,7 @@ from ranks import torchrun_job
 from dvla.config import EnvConfig, apply_overrides
 from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
-from dvla.presets import fast_reach
+from dvla.config.presets import fast_reach
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from dvla.config import apply_overrides
 from dvla.envs import make_env
 from dvla.metrics import read_metrics
-from dvla.presets import fast_reach
+from dvla.config.presets import fast_reach
 from dvla.rollout import evaluate
 from swimlane import Swimlane
 

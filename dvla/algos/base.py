@@ -48,7 +48,7 @@ from dvla.algos.losses import clipped_policy_loss, masked_mean
 from dvla.algos.optim import all_reduce_small, collective_device, param_groups
 from dvla.config import AlgoConfig, ConfigError
 from dvla.policy import VLAPolicy
-from dvla.sharding import full_tensor
+from dvla.distributed.sharding import full_tensor
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
 
 __all__ = ["Algorithm", "GradSync", "collective_device", "extras_of", "obs_of", "param_groups"]
@@ -88,7 +88,7 @@ class Algorithm(ABC):
         self.behaviour_dtype = behaviour_dtype
         self.build_optimizer()
         self.grad_sync = grad_sync
-        # The learners' group when they are sharded (dvla/sharding.py): every rank then makes
+        # The learners' group when they are sharded (dvla/distributed/sharding.py): every rank then makes
         # the same number of forward and backward passes per update, padding with empty ones.
         self.shard_group = None
         self._totals: tuple[float, float] | None = None  # (samples, counted entries) of the minibatch, when micro-batched
@@ -392,7 +392,7 @@ class Algorithm(ABC):
 
     def _autocast(self):
         """bf16 autocast when ``algo.precision=bf16``. A sharded learner's parameters are
-        gathered in bf16 already (dvla/sharding.py); autocast still casts its fp32 inputs and
+        gathered in bf16 already (dvla/distributed/sharding.py); autocast still casts its fp32 inputs and
         keeps the losses' reductions in fp32."""
         return torch.autocast(self.policy.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
 

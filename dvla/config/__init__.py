@@ -4,7 +4,7 @@ Every component owns a small ``@dataclass(kw_only=True)`` config, one module per
 (:mod:`~dvla.config.env`, :mod:`~dvla.config.policy`, :mod:`~dvla.config.algo`,
 :mod:`~dvla.config.run`, :mod:`~dvla.config.swimlane`; ``memory`` and ``data_plane`` are
 owned by their packages). The top-level :class:`JobConfig` (:mod:`~dvla.config.job`) nests
-them. A config is built from a Python preset (:mod:`dvla.presets`), optionally merged with
+them. A config is built from a Python preset (:mod:`dvla.config.presets`), optionally merged with
 a YAML file and command-line overrides of the form ``env.n_envs=8`` (or ``--env.n_envs=8``)
 (:mod:`~dvla.config.loading`).
 

@@ -1,7 +1,7 @@
 """The sampling lane's env groups with every env on its own clock (``swimlane.independent_envs``).
 
 A group is reset once; from then on its env restarts each episode (each GRPO group of
-episodes) as soon as it ends, and a :class:`dvla.episodes.StreamRecorder` fills chunks with
+episodes) as soon as it ends, and a :class:`dvla.rollout.episodes.StreamRecorder` fills chunks with
 ended episodes. In sync mode a group's turn in a round lasts until it has sent one chunk;
 the episodes it runs then wait for its next turn.
 
@@ -13,7 +13,7 @@ while it waits. A chunk being filled always takes new episodes (it was admitted 
 opened), so chunks leave full. Once no episode runs, the group parks until admitted, then
 every env starts anew. A group fills a bounded number of chunks at once (:attr:`OwnClock.max_open`).
 
-With PPO segments (``swimlane.segment_len``, a :class:`dvla.segments.SegmentRecorder`) no
+With PPO segments (``swimlane.segment_len``, a :class:`dvla.rollout.segments.SegmentRecorder`) no
 restart is held: every env steps until its group's chunk is full. Then the group opens the
 next chunk by acting (the reply's values also complete the full chunk) if it may; if not
 (sync mode: the round's chunk is sent; async: admission refuses), it asks for the values the
@@ -22,8 +22,8 @@ full chunk still needs, sends it, and parks until admitted.
 
 from __future__ import annotations
 
-from dvla.episodes import ChunkRecorder, StreamRecorder
-from dvla.segments import SegmentRecorder
+from dvla.rollout.episodes import ChunkRecorder, StreamRecorder
+from dvla.rollout.segments import SegmentRecorder
 from swimlane.lanes.messages import Reply, Request
 
 

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 import torch
 
-from dvla.episodes import ChunkRecorder, StreamRecorder
-from dvla.segments import SegmentRecorder
+from dvla.rollout.episodes import ChunkRecorder, StreamRecorder
+from dvla.rollout.segments import SegmentRecorder
 from dvla.rollout import EpisodeRecorder
 from swimlane.lanes.own_clock import OwnClock
 from swimlane.admission import Admission

@@ -28,9 +28,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from dvla.report_data import Skip, load_config, load_metrics, load_summaries, load_traces
-from dvla.report_gantt import plot_gantt
-from dvla.report_plots import (
+from dvla.app.report.data import Skip, load_config, load_metrics, load_summaries, load_traces
+from dvla.app.report.gantt import plot_gantt
+from dvla.app.report.plots import (
     plot_autotune,
     plot_balance,
     plot_roles,
@@ -41,7 +41,7 @@ from dvla.report_plots import (
     plot_success,
     plot_throughput,
 )
-from dvla.report_summary import summary_text
+from dvla.app.report.summary import summary_text
 
 
 def make_report(run_dir, out_dir=None) -> dict:

@@ -1,5 +1,5 @@
 """Optimizer and random-number-generator state as (tensors, json-able metadata) pairs that
-fit a checkpoint (:mod:`dvla.checkpoint`), so that resuming is bit-identical to never
+fit a checkpoint (:mod:`dvla.state.checkpoint`), so that resuming is bit-identical to never
 having stopped."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dvla.checkpoint import FORMAT_VERSION, CheckpointError
+from dvla.state.checkpoint import FORMAT_VERSION, CheckpointError
 from memory import runtime
 
-log = logging.getLogger("dvla.checkpoint")
+log = logging.getLogger("dvla.state.checkpoint")
 
 
 # -- optimizer state ------------------------------------------------------------------------

@@ -1,12 +1,12 @@
 """The report's plots (one PNG each; each returns its path, or raises ``Skip`` naming the
-missing data). The Gantt chart is in ``dvla.report_gantt``."""
+missing data). The Gantt chart is in ``dvla.app.report.gantt``."""
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from dvla.report_data import Skip, col, num, progress_axis, smooth, wall_time, xy
+from dvla.app.report.data import Skip, col, num, progress_axis, smooth, wall_time, xy
 
 DPI = 110
 PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b2", "#937860"]

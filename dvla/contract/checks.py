@@ -1,4 +1,4 @@
-"""The checks of the policy contract (:mod:`dvla.contract` runs them and reports), in order:
+"""The checks of the policy contract (:mod:`dvla.contract.runner` runs them and reports), in order:
 each is a function of the shared context that returns what it measured or raises
 :class:`Failed` with what failed (its ``fix`` says what to do); ``needs`` names the checks
 whose results it uses (skipped when one did not pass)."""

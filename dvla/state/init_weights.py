@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from dvla.checkpoint import MANIFEST_FILE, CheckpointError, CheckpointManager, section
+from dvla.state.checkpoint import MANIFEST_FILE, CheckpointError, CheckpointManager, section
 from dvla.config import ConfigError
 from dvla.normalize import FILE as NORM_FILE, METADATA_KEY as NORM_KEY, Normalizer
-from dvla.rundir import resolve_run_arg
+from dvla.state.rundir import resolve_run_arg
 
 WEIGHTS_FILE = "weights.safetensors"
 _SHOWN = 3  # mismatched tensors named in an error

@@ -88,7 +88,7 @@ def step_row(obs: Observation, out: ActOutput, res: StepResult, version: int, li
 class OpenChunk:
     """A chunk being filled: its tensors, who frees them, and its progress: for the
     :class:`StreamRecorder`, the columns handed out and those holding an ended episode (its
-    bootstrap value written); for :class:`dvla.segments.SegmentRecorder`, the values still
+    bootstrap value written); for :class:`dvla.rollout.segments.SegmentRecorder`, the values still
     owed to it."""
 
     def __init__(self, tensors: dict[str, Tensor], release: Callable[[], None] | None):

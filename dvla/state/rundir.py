@@ -22,7 +22,7 @@ from typing import Any
 
 from dvla.config import ConfigError
 
-log = logging.getLogger("dvla.rundir")
+log = logging.getLogger("dvla.state.rundir")
 LATEST = "latest"
 _MARKERS = ("config.yaml", "checkpoints", "metrics.jsonl", "summary.json")
 
@@ -108,7 +108,7 @@ def _mkdir(run: Path, exist_ok: bool = False) -> None:
 
 def has_checkpoint(run: str | os.PathLike) -> bool:
     """Whether ``run`` holds a (final-named) checkpoint."""
-    from dvla.checkpoint import CheckpointManager
+    from dvla.state.checkpoint import CheckpointManager
 
     return bool(CheckpointManager(Path(run) / "checkpoints").list())
 
@@ -272,7 +272,7 @@ def pick_run_dir(base: str | os.PathLike, cfg, restarts: int, unit: str = "updat
     the newest run with one) and needs a checkpoint there whose config this one may continue
     (:func:`check_resume`); a torchrun restart (``restarts > 0``) continues the run where
     there is one. ``unit``: what ``run.save_every`` counts, for the error."""
-    from dvla.checkpoint import CheckpointManager
+    from dvla.state.checkpoint import CheckpointManager
 
     previous = latest_run(base)
     if cfg.run.resume and restarts == 0 and not cfg.run.name and previous is not None \

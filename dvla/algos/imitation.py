@@ -2,11 +2,11 @@
 imitation loss in place of the policy-gradient one. It keeps the RL learner's learning-rate
 schedule, bf16 autocast (``algo.precision``), gradient averaging over ranks
 (:func:`dvla.distributed.allreduce_mean_grads`), clipping and skipped non-finite steps, and is
-sharded by the RL learner's own code (:func:`dvla.sharding.shard_learner`, FSDP2
+sharded by the RL learner's own code (:func:`dvla.distributed.sharding.shard_learner`, FSDP2
 ``fully_shard``); only its optimizer is ``dvla sft``'s AdamW.
 
 Several ranks train on a global minibatch together, each on its own share of the frames
-(:func:`dvla.sft_data.shard`). Each rank's loss is weighted by its share of the global batch's
+(:func:`dvla.datasets.frames.shard`). Each rank's loss is weighted by its share of the global batch's
 valid chunk steps before the gradients are averaged, so that a step is the one-process step on
 the whole batch whenever the loss is a mean over the valid steps (every built-in head's), even
 where the shares differ in size or in masked steps."""
@@ -22,7 +22,7 @@ from dvla.algos.base import Algorithm
 from dvla.algos.optim import param_groups
 from dvla.config import ConfigError
 from dvla.distributed import allreduce_mean_grads, sum_over_group
-from dvla.sharding import checkpoint_activations, shard_learner
+from dvla.distributed.sharding import checkpoint_activations, shard_learner
 from dvla.types import Observation
 from memory import runtime
 

@@ -18,10 +18,10 @@ Under torchrun (``-m dvla.launch sft`` or ``-m dvla.cli sft``) every rank is a l
 (``swimlane.learner_ranks`` is the world size): the process group is the RL launcher's (gloo
 on the CPU, NCCL and one GPU per rank on CUDA), every rank draws the same global minibatch
 (from ``run.seed``: the same batches whatever the number of ranks) and trains on its own
-share of it, and the gradients are averaged (:mod:`dvla.sft_learner`: a step equals the
+share of it, and the gradients are averaged (:mod:`dvla.algos.imitation`: a step equals the
 one-process step on the whole batch). ``algo.shard`` shards the model as it shards RL
 learners: ``auto`` (the default) and ``fsdp`` with FSDP2 over the ranks
-(:func:`dvla.sharding.shard_learner`), ``none`` replicates it and all-reduces the gradients.
+(:func:`dvla.distributed.sharding.shard_learner`), ``none`` replicates it and all-reduces the gradients.
 
 Like an RL run it writes its own run directory under ``--out`` (default
 ``{run.out_dir}-sft``; ``BASE/latest`` points to it), from rank 0 only: ``config.yaml``,
@@ -29,7 +29,7 @@ Like an RL run it writes its own run directory under ``--out`` (default
 ``weights.safetensors`` (the whole model, with the policy's name, the version = steps done and
 the normalisation), ``normalization.json``, ``summary.json`` and ``checkpoints/``: every
 ``run.save_every`` steps and at the end, the model, the optimizer's state, the step and every
-rank's random generators (:mod:`dvla.sft_state`). ``--resume`` (or ``run.resume=true``)
+rank's random generators (:mod:`dvla.app.sft.checkpoints`). ``--resume`` (or ``run.resume=true``)
 continues the latest run from its newest valid checkpoint, exactly as if it had not stopped
 (with more ``run.iterations`` it trains on). The console shows a progress bar, or with
 ``run.progress=false`` one line per metrics row, and a line with the loss, frames/s and the
@@ -50,10 +50,13 @@ from pathlib import Path
 
 import torch
 
+from dvla.app.run import EXIT_USER_ERROR, fail, leave, local_rank, restarts, say_error, see_own_gpu, share_run_dir
 from dvla.config import ConfigError
-from dvla.sft_data import Frames, GlobalBatches, load_frames, shard
+from dvla.datasets.frames import Frames, GlobalBatches, load_frames, shard
 
-__all__ = ["Frames", "load_frames", "main", "train_sft"]
+PROG = "dvla sft"  # the prefix of its error lines
+
+__all__ = ["Job", "main", "train_sft"]
 
 
 @dataclasses.dataclass
@@ -69,16 +72,17 @@ def train_sft(cfg, job: Job, frames: Frames, norm, run_dir: Path, resumed: bool,
               log=print) -> dict:
     """Train ``cfg``'s policy on ``frames`` into ``run_dir`` (written by rank 0) on this rank of
     ``world``; continues the run's newest checkpoint where ``resumed``. The summary."""
-    from dvla.checkpoint import save_weights
+    from dvla.state.checkpoint import save_weights
     from dvla.config import dump_yaml
     from dvla.envs import env_spec
-    from dvla.init_weights import WEIGHTS_FILE
+    from dvla.state.init_weights import WEIGHTS_FILE
     from dvla.metrics import MetricsLogger
     from dvla.normalize import FILE as NORM_FILE, METADATA_KEY
     from dvla.policy import PolicySpec, build_policy
-    from dvla.sft_learner import ImitationLearner, device_of, sharded
-    from dvla.sft_state import RANK_SEED, SFTCheckpoints, sft_check, truncate_metrics
-    from dvla.sharding import full_state_dict
+    from dvla.algos.imitation import ImitationLearner, device_of, sharded
+    from dvla.app.sft.checkpoints import RANK_SEED, SFTCheckpoints, sft_check
+    from dvla.metrics import truncate_metrics
+    from dvla.distributed.sharding import full_state_dict
     from memory import runtime
 
     lead = rank == 0
@@ -168,7 +172,7 @@ def parse(argv: list[str], world: int) -> tuple[object, Job, Path]:
     """``(cfg, job, base directory)`` from the command line; a ConfigError for any mistake."""
     from dvla.envs import check_env_config
     from dvla.policy import policy_config
-    from dvla.presets import PRESETS, compose
+    from dvla.config.presets import PRESETS, compose
     from memory import runtime
 
     p = argparse.ArgumentParser(prog="dvla sft", description="Supervised warm start: train a policy on a "
@@ -234,32 +238,25 @@ def load_data(cfg, job: Job, world: int):
     return frames, Normalizer.from_stats(stats, job.action_norm)
 
 
-def _say(exc: BaseException, rank: int | None = None) -> None:
-    where = "" if not rank else f" (rank {rank})"
-    print(f"dvla sft: error{where}: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str]) -> int:
-    """``dvla sft``; under torchrun each rank of the job runs it (the launcher has narrowed
-    ``CUDA_VISIBLE_DEVICES`` to the rank's GPU first: ``dvla.launch``)."""
+    """``dvla sft``; under torchrun every rank of the job runs it (``-m dvla.launch sft``), around
+    it what every training application does on a rank (:mod:`dvla.app.run`)."""
     from dvla.datasets import DatasetError
-    from dvla.distributed import init_from_env, shutdown, uses_nccl
+    from dvla.distributed import init_from_env
     from dvla.logs import setup_logging
-    from dvla.rundir import discard_new_run
-    from dvla.sft_state import RelayedError, share_run_dir
 
     user_errors = (ConfigError, DatasetError, ValueError, FloatingPointError, NotImplementedError)
-    local = int(os.environ.get("LOCAL_RANK", "0") or 0)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1) if "RANK" in os.environ else 1
     try:  # the same on every rank: each host's first rank says what went wrong
+        see_own_gpu()  # first: nothing may start CUDA before
         cfg, job, base = parse(argv, world)
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         frames, norm = load_data(cfg, job, world)
     except user_errors as exc:
-        if local == 0:
-            _say(exc)
-        return 2
+        if local_rank() == 0:
+            say_error(PROG, exc)
+        return EXIT_USER_ERROR
     rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
                                 collective_backend=cfg.swimlane.collective_backend)
     setup_logging(rank)  # (dvla's own log lines: damaged checkpoints skipped, what a resume changes)
@@ -273,44 +270,16 @@ def main(argv: list[str]) -> int:
         else:
             print(line, file=sys.stderr, flush=True)
 
-    run_dir, resumed, previous = None, False, None
+    run = None
     try:
-        run_dir, resumed, previous = share_run_dir(base, cfg, rank, world, int(os.environ.get(
-            "TORCHELASTIC_RESTART_COUNT", "0") or 0))
-        summary = train_sft(cfg, job, frames, norm, run_dir, resumed, rank, world, log)
+        run = share_run_dir(base, cfg, rank, world, restarts(), unit="steps")
+        summary = train_sft(cfg, job, frames, norm, run.path, run.resumed, rank, world, log)
     except BaseException as exc:
-        if rank == 0 and run_dir is not None and not resumed:  # a new run that wrote nothing: gone
-            discard_new_run(base, run_dir, previous)
-        if isinstance(exc, user_errors):
-            if not isinstance(exc, RelayedError):
-                _say(exc, rank if world > 1 else None)
-            code = 2
-        elif world == 1:
-            raise
-        else:
-            print(f"dvla sft: error (rank {rank}): {type(exc).__name__}: {' '.join(str(exc).split())[:300]}; "
-                  "continue with --resume from the last checkpoint", file=sys.stderr, flush=True)
-            code = 130 if isinstance(exc, KeyboardInterrupt) else 1
-        if world == 1:
-            return code
-        sys.stdout.flush()
-        try:  # a peer may wait in a collective: no teardown barrier, leave at once (torchrun stops the rest)
-            shutdown(barrier=False) if uses_nccl() else None
-        finally:
-            os._exit(code)
+        return fail(PROG, exc, rank=rank, world=world, run=run, kinds=user_errors)
     if rank == 0:
         resumed_from = f" (resumed from step {summary['resumed_from']})" if summary["resumed_from"] else ""
         print(f"done: {summary['steps']} steps{resumed_from} in {summary['wall_s']:.1f} s, loss "
-              f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}\noutputs: {run_dir}  (metrics.jsonl, "
-              f"summary.json, weights.safetensors, normalization.json, checkpoints/)\nnext:    dvla eval {run_dir}"
-              f"   |   dvla train --preset {job.preset} policy.init={run_dir}", flush=True)
-    if world > 1:
-        shutdown()
-        # Leave without the interpreter's teardown: a torch thread still joinable at exit has
-        # aborted a rank (SIGABRT, "terminate called without an active exception") after
-        # everything was written and the group destroyed.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
-
+              f"{summary['first_loss']:.4f} -> {summary['final_loss']:.4f}\noutputs: {run.path}  (metrics.jsonl, "
+              f"summary.json, weights.safetensors, normalization.json, checkpoints/)\nnext:    dvla eval {run.path}"
+              f"   |   dvla train --preset {job.preset} policy.init={run.path}", flush=True)
+    return leave(world)

@@ -1,9 +1,8 @@
-"""``dvla sft``'s run directory and checkpoints, with the RL run's conventions.
+"""``dvla sft``'s checkpoints, with the RL run's conventions (its run directory is chosen as an
+RL run's is, :func:`dvla.app.run.share_run_dir`).
 
-Rank 0 chooses the run directory (:func:`share_run_dir`: a new one under the base directory,
-or with ``--resume`` / ``run.resume=true`` the one ``latest`` points to, as ``dvla train``
-chooses) and tells the other ranks. Every ``run.save_every`` steps and at the end, rank 0
-writes a checkpoint (:class:`SFTCheckpoints`, :class:`dvla.checkpoint.CheckpointManager`:
+Every ``run.save_every`` steps and at the end, rank 0
+writes a checkpoint (:class:`SFTCheckpoints`, :class:`dvla.state.checkpoint.CheckpointManager`:
 atomic, verified, pruned to ``run.keep_checkpoints``) that holds the whole model (gathered
 from the shards when they are sharded), the optimizer's state, the step, the config, the
 normalisation, and every rank's random-number generators; a resume loads the newest that
@@ -13,77 +12,26 @@ the run goes on exactly as if it had never stopped."""
 from __future__ import annotations
 
 import base64
-import json
-import os
 from pathlib import Path
 
 import torch
 
-from dvla.checkpoint import CheckpointError, CheckpointManager, all_finite, section
+from dvla.state.checkpoint import CheckpointError, CheckpointManager, all_finite, section
+from dvla.app.run import RelayedError
 from dvla.config import ConfigError
 from dvla.distributed import all_gather_json, broadcast_json, broadcast_tensors, tensor_layout
 from dvla.normalize import METADATA_KEY as NORM_KEY
-from dvla.rundir import pick_run_dir
-from dvla.sharding import full_tensor
-from dvla.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
+from dvla.distributed.sharding import full_tensor
+from dvla.state.train_state import load_optimizer_state, optimizer_state, rng_state, set_rng_state
 
 RANK_SEED = 104729  # a rank's random stream (a flow head's noise, dropout): run.seed + RANK_SEED * rank
-
-
-class RelayedError(ConfigError):
-    """Rank 0's error, as the other ranks learn it (rank 0 says it)."""
-
-
-# -- the run directory ------------------------------------------------------------------------
-
-
-def choose_sft_run_dir(base: Path, cfg, restarts: int) -> tuple[Path, bool, Path | None]:
-    """The run directory as the RL launcher chooses its own (:func:`dvla.rundir.pick_run_dir`)."""
-    return pick_run_dir(base, cfg, restarts, unit="steps")
-
-
-def share_run_dir(base: Path, cfg, rank: int, world: int, restarts: int) -> tuple[Path, bool, Path | None]:
-    """Rank 0's choice (:func:`choose_sft_run_dir`), on every rank (None for the previous
-    run elsewhere); rank 0's error is a :class:`RelayedError` on the others."""
-    if world == 1:
-        return choose_sft_run_dir(base, cfg, restarts)
-    if rank == 0:
-        try:
-            run, resumed, previous = choose_sft_run_dir(base, cfg, restarts)
-        except ConfigError as exc:
-            broadcast_json({"error": str(exc)}, 0)
-            raise
-        broadcast_json({"dir": str(run), "resumed": resumed}, 0)
-        return run, resumed, previous
-    got = broadcast_json(None, 0)
-    if "error" in got:
-        raise RelayedError(got["error"])
-    return Path(got["dir"]), bool(got["resumed"]), None
-
-
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop the rows (and torn lines) a stopped attempt logged at or after ``step``, the
-    step its resume starts from."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and int(row.get("iter", 0)) < step:
-            keep.append(line + "\n")
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
 
 
 # -- random-number generators of every rank ---------------------------------------------------
 
 
 def _rng_json() -> dict:
-    """This rank's :func:`dvla.train_state.rng_state` as JSON values (tensors in base64)."""
+    """This rank's :func:`dvla.state.train_state.rng_state` as JSON values (tensors in base64)."""
     tensors, meta = rng_state()
     return {"meta": meta, "tensors": {k: [str(v.dtype).removeprefix("torch."),
                                           base64.b64encode(v.contiguous().numpy().tobytes()).decode()]

@@ -9,7 +9,7 @@ hold several, and GAE runs across the resets in it (:func:`dvla.algos.losses.gae
 * a step that ends an episode stops the recursion;
 * an episode truncated by the time limit bootstraps from the value of its last
   observation, asked for as extra rows of the next request (as in
-  :class:`dvla.episodes.StreamRecorder`) and written to ``bootstrap`` at that step;
+  :class:`dvla.rollout.episodes.StreamRecorder`) and written to ``bootstrap`` at that step;
 * a column cut inside an episode bootstraps from ``values[T]``: the value of the env's
   next observation, taken from the first request after the chunk is full (its first
   ``n_envs`` rows: the act request that opens the next chunk, or a value-only request).
@@ -29,14 +29,14 @@ import torch
 from torch import Tensor
 
 from dvla.envs.base import EnvSpec
-from dvla.episodes import Alloc, ChunkRecorder, OpenChunk, step_row
+from dvla.rollout.episodes import Alloc, ChunkRecorder, OpenChunk, step_row
 from dvla.policy import ActOutput, ExtraSpec
 from dvla.types import Observation, StepResult
 
 
 class SegmentRecorder(ChunkRecorder):
     """Records one env group into chunks of ``segment_len`` decisions per env (see the
-    module's docstring). Same protocol as :class:`dvla.episodes.StreamRecorder`:
+    module's docstring). Same protocol as :class:`dvla.rollout.episodes.StreamRecorder`:
     :meth:`begin`, then act on :meth:`request_obs`, step, :meth:`record`; once :attr:`full`,
     the next request's values (an act or a value request) complete the chunk; :meth:`pop`
     while :attr:`ready`. A new chunk opens when a decision is recorded after a full one.

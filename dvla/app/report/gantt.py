@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dvla.report_data import Skip, Span, num
+from dvla.app.report.data import Skip, Span, num
 
 GANTT_UPDATES = 5  # learner updates the chart shows (the whole run when it has few more)
 GANTT_FALLBACK_S = 10.0  # without learn spans: the last this many seconds

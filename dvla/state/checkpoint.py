@@ -15,9 +15,9 @@ Two layers:
   complete new checkpoint. Readers verify size and sha256 before trusting a checkpoint and
   ``load_latest`` falls back to the newest one that verifies.
 
-``dvla.train_state`` turns optimizer and random-number-generator state into (tensors,
+``dvla.state.train_state`` turns optimizer and random-number-generator state into (tensors,
 json-able metadata) pairs that fit this format, so resuming is bit-identical to never
-having stopped; ``dvla.atomic_io`` holds the file-level helpers.
+having stopped; ``dvla.state.atomic_io`` holds the file-level helpers.
 
 One writer per checkpoint directory is assumed (e.g. rank 0): a save removes every stale
 ``.tmp-*`` entry it finds, including one another writer might still be filling.
@@ -41,10 +41,10 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from dvla.atomic_io import exchange_paths, fsync_dir, save_safetensors, sha256_file, write_safetensors
-from dvla.sharding import full_state_dict
+from dvla.state.atomic_io import exchange_paths, fsync_dir, save_safetensors, sha256_file, write_safetensors
+from dvla.distributed.sharding import full_state_dict
 
-log = logging.getLogger("dvla.checkpoint")
+log = logging.getLogger("dvla.state.checkpoint")
 
 FORMAT_VERSION = 1
 TENSORS_FILE = "tensors.safetensors"

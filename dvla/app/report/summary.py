@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dvla.report_data import col, num, progress_axis, wall_time
-from dvla.report_plots import lane_order
+from dvla.app.report.data import col, num, progress_axis, wall_time
+from dvla.app.report.plots import lane_order
 
 
 def _fmt(v: Any, spec: str = ".4g") -> str:

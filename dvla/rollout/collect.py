@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from dvla.envs.base import BatchedEnv
-from dvla.episodes import rollout_fields
+from dvla.rollout.episodes import rollout_fields
 from dvla.policy import ActOutput, ExtraSpec, VLAPolicy
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch, StepResult
 from memory import runtime

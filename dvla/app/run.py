@@ -1,0 +1,205 @@
+"""What the two training applications do around their work on every rank of a job, written
+once: RL (``dvla train``, :mod:`dvla.app.train`) and the supervised warm start (``dvla sft``,
+:mod:`dvla.app.sft`) behave the same here.
+
+* **One GPU per rank** (:func:`see_own_gpu`): under torchrun, ``CUDA_VISIBLE_DEVICES`` narrowed
+  to the rank's own GPU before anything starts CUDA.
+* **One run directory** (:func:`share_run_dir`): rank 0 chooses it (:mod:`dvla.state.rundir`)
+  and tells the other ranks through the job's store (c10d), so that every rank writes to the
+  same one; rank 0's mistake reaches the others as a :class:`RelayedError`.
+* **One line per error** (:func:`fail`): a mistake in the configuration or the data is one line
+  and exit code 2, said once per host; anything else on a job of several ranks is one line
+  naming the lost rank and what to run next (exit 1); a new run that failed leaves no
+  directory behind.
+* **Signals** (:func:`on_sigterm`) and **leaving** (:func:`leave`, :func:`abandon`): a job
+  whose peers may be gone leaves without a teardown barrier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NoReturn
+
+from dvla.config import ConfigError
+from dvla.distributed import shutdown, uses_nccl
+from dvla.state.rundir import discard_new_run, pick_run_dir
+
+EXIT_USER_ERROR = 2
+RUN_DIR_KEY = "dvla/run_dir"
+
+
+class RelayedError(ConfigError):
+    """Rank 0's error, as the other ranks learn it (rank 0 says it)."""
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def restarts() -> int:
+    """How often torchrun restarted this worker group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def see_own_gpu() -> None:
+    """Under torchrun, narrow ``CUDA_VISIBLE_DEVICES`` to this rank's GPU before CUDA starts
+    in the process, so that torch, simulators and renderers agree on one device, ``cuda:0``
+    (memory/runtime.py). A ConfigError when the list names too few GPUs."""
+    if "LOCAL_RANK" not in os.environ or os.environ.get("DVLA_VISIBLE_DEVICE_SET"):
+        return
+    from memory.runtime import visible_device_env
+
+    try:
+        os.environ.update(visible_device_env(local_rank()))
+    except ValueError as exc:
+        raise ConfigError(f"CUDA_VISIBLE_DEVICES: {exc}") from None
+
+
+# -- the run directory --------------------------------------------------------------------------
+
+
+@dataclass
+class RunDir:
+    path: Path
+    resumed: bool  # it continues a run
+    previous: Path | None  # rank 0: the run ``latest`` pointed to before (None elsewhere)
+
+    def discard_if_new(self, rank: int) -> None:
+        """Rank 0, after a failure: a new run that wrote nothing is removed (``latest`` back)."""
+        if rank == 0 and not self.resumed:
+            discard_new_run(self.path.parent, self.path, self.previous)
+
+
+def share_run_dir(base: str | os.PathLike, cfg, rank: int, world: int, restarts: int,
+                  unit: str = "updates") -> RunDir:
+    """Rank 0 chooses the run directory under ``base`` (:func:`dvla.state.rundir.pick_run_dir`)
+    and tells the other ranks through the torch.distributed store; rank 0's error is a
+    :class:`RelayedError` on the others."""
+    if world == 1:
+        return RunDir(*pick_run_dir(base, cfg, restarts, unit=unit))
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        try:
+            run = RunDir(*pick_run_dir(base, cfg, restarts, unit=unit))
+        except ConfigError as exc:
+            store.set(RUN_DIR_KEY, json.dumps({"error": str(exc)}))
+            raise
+        store.set(RUN_DIR_KEY, json.dumps({"dir": str(run.path), "resumed": run.resumed}))
+        return run
+    data = json.loads(store.get(RUN_DIR_KEY))
+    if "error" in data:
+        raise RelayedError(data["error"])
+    return RunDir(Path(data["dir"]), bool(data["resumed"]), None)
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+def one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def say_error(prog: str, exc: BaseException, rank: int | None = None) -> None:
+    where = "" if not rank else f" (rank {rank})"
+    print(f"{prog}: error{where}: {one_line(exc)}", file=sys.stderr, flush=True)
+
+
+def user_error(exc: BaseException, kinds: tuple[type[BaseException], ...] = (ConfigError,)) -> BaseException | None:
+    """The user's mistake behind ``exc`` (itself, or what a lane raised), else None."""
+    if isinstance(exc, kinds):
+        return exc
+    original = getattr(exc, "original", None)  # swimlane.LaneError
+    return original if isinstance(original, kinds) else None
+
+
+def lost_rank_line(prog: str, exc: BaseException, rank: int) -> str:
+    """One line for a rank whose job lost a peer (or failed): which rank, if the error
+    names one, the first line of the error, and what to run next."""
+    original = getattr(exc, "original", exc)
+    first = one_line((str(original).splitlines() or [""])[0]) or type(original).__name__
+    named = re.search(r"\branks?(?:\(s\))?\s+((?:rank)?\d+(?:,\s*(?:rank)?\d+)*)", first)
+    ranks = named.group(1).replace("rank", "") if named else ""
+    lost = (f"rank {ranks} was lost" if "," not in ranks else f"ranks {ranks} were lost") if named \
+        else "the job failed or lost a rank"
+    return (f"{prog}: error (rank {rank}): {lost}: {first[:300]}. Next: run the same command with --resume to "
+            "continue from the last checkpoint (--debug shows the traceback)")
+
+
+def fail(prog: str, exc: BaseException, *, rank: int, world: int, run: RunDir | None,
+         kinds: tuple[type[BaseException], ...] = (ConfigError,), debug: bool = False) -> int:
+    """The end of a rank whose work raised ``exc``: a new run directory removed, one line, and
+    the exit code (one process) or an exit without the teardown barrier (a job of several,
+    where a peer may wait in a collective that can never complete: torchrun then stops the
+    others). Re-raises what is no user error in one process, and with ``debug``."""
+    if run is not None:
+        run.discard_if_new(rank)
+    err = user_error(exc, kinds)
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"{prog}: interrupted{f'; partial results in {run.path}' if run is not None else ''}",
+              file=sys.stderr, flush=True)
+        code = 130
+    elif err is not None and not debug:
+        if not isinstance(err, RelayedError) or local_rank() == 0:  # once per host
+            say_error(prog, err, rank if world > 1 and not isinstance(err, RelayedError) else None)
+        code = EXIT_USER_ERROR
+    elif world == 1:
+        raise exc
+    else:
+        if debug:
+            traceback.print_exception(exc)
+        print(lost_rank_line(prog, exc, rank), file=sys.stderr, flush=True)
+        code = 1
+    if world == 1:
+        return code
+    sys.stdout.flush()
+    abandon(code)
+
+
+# -- signals and leaving ------------------------------------------------------------------------
+
+
+def on_sigterm(stop: Callable[[], None]) -> list[bool]:
+    """Call ``stop()`` on SIGTERM (a preemption by Slurm or Kubernetes, or torchrun stopping the
+    group); the list it returns holds True once that happened."""
+    stopped: list[bool] = []
+
+    def handler(*_):
+        stopped.append(True)
+        stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    return stopped
+
+
+def abandon(code: int) -> NoReturn:
+    """Leave a job whose peers may be gone: NCCL's communicators aborted (no barrier, no
+    destroy that would wait for a dead peer), then exit at once."""
+    try:
+        shutdown(barrier=False) if uses_nccl() else None
+    finally:
+        os._exit(code)
+
+
+def leave(world: int, barrier: bool = True) -> int:
+    """The end of a rank that finished: in a job of several, the teardown (a barrier unless
+    ``barrier`` is false, when a peer may be gone) and an exit without the interpreter's own
+    teardown (a torch thread still joinable at exit has aborted a rank, SIGABRT, after
+    everything was written and the group destroyed)."""
+    if world == 1:
+        shutdown()
+        return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if not barrier:
+        abandon(0)
+    shutdown()
+    os._exit(0)
