@@ -49,20 +49,20 @@ def colocated(args) -> bool:
 
     def on_update(record) -> None:  # new inference shapes mid-run: one group steps, then two again
         nonlocal answer
-        if lanes._sampling is not None:
-            lanes._sampling.active = 1 if record["version"] == args.iterations // 3 else (
-                2 if record["version"] == 2 * args.iterations // 3 else lanes._sampling.active)
-        if answer is None and lanes._inference is not None:
-            inner = answer = lanes._inference._answer
+        if lanes.lanes.sampling is not None:
+            lanes.lanes.sampling.active = 1 if record["version"] == args.iterations // 3 else (
+                2 if record["version"] == 2 * args.iterations // 3 else lanes.lanes.sampling.active)
+        if answer is None and lanes.lanes.inference is not None:
+            inner = answer = lanes.lanes.inference._answer
 
             def recording(policy, version, kind, batch):
                 shapes.add(sum(r.obs.batch_size for r in batch))
                 return inner(policy, version, kind, batch)
 
-            lanes._inference._answer = recording
-            lanes._inference.wait_s = 0.05  # batch the groups that step: 2 x n_envs, then n_envs
+            lanes.lanes.inference._answer = recording
+            lanes.lanes.inference.wait_s = 0.05  # batch the groups that step: 2 x n_envs, then n_envs
 
-    lanes.on_update = on_update
+    lanes.updates.on_update = on_update
     t0 = time.perf_counter()
     summary = lanes.run()
     wall = time.perf_counter() - t0

@@ -165,7 +165,7 @@ def join_group(device: torch.device) -> None:
     product's default group has (:func:`dvla.distributed.default_backend`): on CUDA NCCL for
     CUDA tensors and gloo for CPU ones (``cpu:gloo,cuda:nccl``), else gloo. The sharded
     learner's group is that group (WORLD), as the product's learner group takes the default
-    group's backends (swimlane/build.py ``build_groups``)."""
+    group's backends (swimlane/assembly/build.py ``build_groups``)."""
     if "RANK" in os.environ:  # torchrun: as the launcher joins (interfaces, the rank's device)
         init_from_env(device=str(device))
     else:

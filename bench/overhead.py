@@ -199,7 +199,7 @@ BUDGET = (  # (label, "module:Class", method): the parts of a dvla sync run time
     ("recorder", "dvla.rollout:EpisodeRecorder", "record"),
     ("inference", "swimlane.lanes.inference:InferenceLane", "_answer"),
     ("batch starts", "swimlane.lanes.sampling:SamplingLane", "start"),
-    ("learner", "swimlane.lanes.learner:LearnerLane", "learn"),
+    ("learner", "swimlane.lanes.learner:GradientLane", "learn"),
 )
 
 

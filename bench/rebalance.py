@@ -9,7 +9,7 @@ waits ``--slow`` times longer: it is that many times slower. The workload is syn
 * ``static``: shares and env groups fixed at start (admission gives both ranks half of the
   learner's chunks, so rank 1 waits for weights that rank 2 has not earned yet);
 * ``adaptive``: ``swimlane.rebalance=true`` with one spare group per rank: shares follow
-  the measured speeds and rank 2 hands env groups to rank 1 (swimlane/balance.py).
+  the measured speeds and rank 2 hands env groups to rank 1 (swimlane/adaptation/balance.py).
 
 With ``--mode sync`` both run in sync mode, and ``adaptive`` is ``swimlane.reissue=true``:
 rank 1 samples the round's work again while it waits, so the learner's round need not wait
@@ -21,7 +21,7 @@ With ``--mode roles`` the workload has two phases. Rank 0 learns and also rolls 
 own, which uses no core here). For the first ``--phase-s`` seconds the renders wait as above
 (rank 2 a straggler) and the rollouts are the bottleneck; then the renders wait 2 ms, and
 learning is. ``static`` keeps one learner; ``adaptive`` has rank 1 as a learner candidate
-(``swimlane.roles=adaptive``, :mod:`swimlane.roles`) besides the rebalancing, so that it can
+(``swimlane.roles=adaptive``, :mod:`swimlane.adaptation.roles`) besides the rebalancing, so that it can
 stop sampling and join the learners while learning is the bottleneck.
 
     python bench/rebalance.py --mode roles --repeats 2 --iterations 80 --wait-ms 150 --slow 5

@@ -67,7 +67,7 @@ def main() -> None:
             print(f"  N={n}: {sps:8.0f} env steps/s  speed-up {sps / base:.2f}x  "
                   f"efficiency {sps / base / n:.2f}{note}", flush=True)
 
-    from launch.plan_text import main as plan_main
+    from dvla.app.plan import main as plan_main
 
     print(f"\nmodelled weak scaling ({args.params} parameters, {args.gpus_per_node} GPUs per node):")
     plan_main(["--nodes", "8,64,256,1024", "--params", args.params, "--gpus-per-node", str(args.gpus_per_node)])

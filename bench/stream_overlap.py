@@ -5,7 +5,7 @@ Builds ``token_vla`` at ``--size`` (random init) on ``--device``: a learner and 
 replica, as a colocated rank holds them. Two threads, as the swimlane's lanes: one samples
 actions for ``--infer-batch`` observations ``--infer`` times, one makes ``--updates`` GRPO
 updates of a ``--samples`` batch (updates per round); each wraps its device work in
-:meth:`swimlane.streams.LaneStream.use` (the lanes' own code), with streams on or off.
+:meth:`swimlane.lanes.streams.LaneStream.use` (the lanes' own code), with streams on or off.
 Prints, per mode, the wall time of both threads together and the overlap (the two lanes'
 times alone over their time together: 1.0 = no overlap, 2.0 = perfect), median of
 ``--repeats`` alternating rounds, then ``ratio streams/default``. On the CPU streams do not
@@ -28,7 +28,7 @@ from learner_step import build_model, make_batch, model_args, sync  # bench/ is 
 from dvla.algos import build_algorithm
 from dvla.config import AlgoConfig
 from dvla.types import Observation
-from swimlane.streams import LaneStream
+from swimlane.lanes.streams import LaneStream
 
 
 def main() -> None:
@@ -66,7 +66,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     def round_(streams: bool) -> tuple[float, float]:
-        s_inf, s_learn = LaneStream(device, streams, priority=-1), LaneStream(device, streams)
+        s_inf, s_learn = LaneStream(device, streams, high_priority=True), LaneStream(device, streams)
         alone = timed(lambda: infer(s_inf)) + timed(lambda: learn(s_learn))
 
         def both() -> None:

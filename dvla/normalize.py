@@ -18,7 +18,7 @@ dict): ``dvla sft`` writes it into ``weights.safetensors``' metadata (key
 ``normalization``) and ``normalization.json`` in its run directory, and
 :func:`dvla.state.init_weights.fit_policy` (``policy.init``, ``dvla eval``) installs it again.
 An RL run keeps it as part of its state: every rank installs it at start-up (rank 0 sends it,
-:func:`swimlane.build.share_normalization`), and the run writes its own ``normalization.json``
+:func:`swimlane.assembly.build.share_normalization`), and the run writes its own ``normalization.json``
 and the same metadata entry into its weights and checkpoints (their manifest), from which a
 resume restores it (:func:`dvla.state.init_weights.resumed_normalization`).
 """

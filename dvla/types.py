@@ -177,7 +177,7 @@ class RolloutBatch:
 
     @classmethod
     def from_dict(cls, tensors: dict[str, Tensor]) -> "RolloutBatch":
-        """The inverse of :meth:`to_dict` (no checks: see ``swimlane.chunks.batch_from_tensors``)."""
+        """The inverse of :meth:`to_dict` (no checks: see ``swimlane.lanes.chunks.batch_from_tensors``)."""
         plain = {k: v for k, v in tensors.items() if not any(k.startswith(p) for p in NESTED.values())}
         nested = {name: {k[len(p):]: v for k, v in tensors.items() if k.startswith(p)} for name, p in NESTED.items()}
         return cls(**plain, **nested)

@@ -68,7 +68,7 @@ class BroadcastCost:
 
 
 @dataclass
-class PlanReport:
+class ClusterEstimate:
     nodes: int
     gpus_per_node: int
     ranks: int
@@ -267,11 +267,11 @@ def rank_memory(params: float, *, learners: int = 1, learns: bool = True, rolls_
     return m
 
 
-def plan(nodes: int, gpus_per_node: int, params: float, bytes_per_param: float = 2,
+def estimate(nodes: int, gpus_per_node: int, params: float, bytes_per_param: float = 2,
          learner_fraction: float = 0.25, net_gbps: float = 400, local_gbps: float = 2400,
          latency_us: float = 10, *, colocate: bool = False, bucket_bytes: float = BUCKET_BYTES,
          samples_per_node_s: float = 1000.0, batch_per_node: float = 1000.0, update_s: float = 1.0,
-         ) -> PlanReport:
+         ) -> ClusterEstimate:
     """Placement shape, per-version broadcast cost (flat vs hierarchical) and weak-scaling
     efficiency for ``nodes`` x ``gpus_per_node`` ranks and a model of ``params`` parameters
     (``params`` may be a string such as '7B'). Bandwidths in Gbit/s; see the module
@@ -309,7 +309,7 @@ def plan(nodes: int, gpus_per_node: int, params: float, bytes_per_param: float =
     eff_flat = max(interval, base_flat) / max(interval, flat.time_s)
     eff_hier = max(interval, base_hier) / max(interval, hier.time_s)
 
-    return PlanReport(nodes=nodes, gpus_per_node=gpus_per_node, ranks=ranks, params=params,
+    return ClusterEstimate(nodes=nodes, gpus_per_node=gpus_per_node, ranks=ranks, params=params,
                       bytes_per_version=size, learners=shape["learners"], rollout=shape["rollout"],
                       colocate=colocate_eff, learner_hosts=shape["learner_hosts"], tcp_routes=shape["tcp_routes"],
                       leaders=shape["leaders"], flat=flat, hier=hier, interval_s=interval,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 
 from launch.cluster_model import (
-    PlanReport,
+    ClusterEstimate,
     rank_memory,
 )
 
@@ -38,7 +38,7 @@ def _fmt_bytes(b: float) -> str:
     return f"{b:.0f} B"
 
 
-def _fmt_speedup(r: PlanReport) -> str:
+def _fmt_speedup(r: ClusterEstimate) -> str:
     if r.flat.time_s <= 0 and r.hier.time_s <= 0:
         return "-"
     return "inf" if math.isinf(r.speedup) else f"{r.speedup:.1f}x"
@@ -62,7 +62,7 @@ def _table(cols: list[str], rows: list[list[str]]) -> list[str]:
             *("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows)]
 
 
-def format_table(reports: list[PlanReport]) -> str:
+def format_table(reports: list[ClusterEstimate]) -> str:
     """The summary table, then a second one with how the numbers are made up."""
     r0 = reports[0]
     head = (f"dvla plan: {_fmt_count(r0.params)} params x {r0.bytes_per_version / r0.params:g} B = "
@@ -91,7 +91,7 @@ def format_table(reports: list[PlanReport]) -> str:
     return "\n".join(lines)
 
 
-def format_memory(reports: list[PlanReport], trainable: float, kl: bool, publish_bytes: float) -> str:
+def format_memory(reports: list[ClusterEstimate], trainable: float, kl: bool, publish_bytes: float) -> str:
     """Model memory per rank: replicated fp32 learners (``algo.shard=none``) against learners
     sharded over all learner ranks (``algo.shard=fsdp``), and a rollout rank's replicas."""
     rows = []
@@ -117,7 +117,7 @@ def format_memory(reports: list[PlanReport], trainable: float, kl: bool, publish
     return "\n".join(lines)
 
 
-def format_assumptions(r: PlanReport, net_gbps: float, local_gbps: float, latency_us: float,
+def format_assumptions(r: ClusterEstimate, net_gbps: float, local_gbps: float, latency_us: float,
                        samples_per_node_s: float, batch_per_node: float, update_s: float) -> str:
     return (f"assumed: net {net_gbps:g} Gbit/s per node, local {local_gbps:g} Gbit/s per GPU, alpha "
             f"{latency_us:g} us; versions due every {_fmt_time(r.interval_s)} (update {update_s:g} s, "

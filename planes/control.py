@@ -22,7 +22,7 @@ and a pending receive never holds a GPU stream. Every collective runs inside the
 runtime's :meth:`memory.runtime.Runtime.collective` (a communication stream of the
 calling thread's own on a GPU). With ``header_words`` the announcement carries that many
 integers the source sets per version (``publish(version, header)``), which receivers read
-as :attr:`WeightBroadcaster.header`: the swimlane's rebalancing plan (:mod:`swimlane.balance`)
+as :attr:`WeightBroadcaster.header`: the swimlane's rebalancing plan (:mod:`swimlane.adaptation.balance`)
 rides with each version.
 
 Across hosts the broadcast follows a tree (:func:`hierarchical_stages`): the source
@@ -196,6 +196,12 @@ class WeightBroadcaster:
                 f"{self.src} ({src_sum:#x}); every rank must build the same model with the same "
                 f"bucket size (this rank: {self.checksum:#x})"
             )
+
+    @property
+    def receives_from(self) -> int | None:
+        """The rank each version comes from (the source, or this host's leader in a staged
+        broadcast); None on the source."""
+        return None if self._recv_stage is None else self._recv_stage.root
 
     def _build_buckets(self, entries: list[tuple[str, Tensor]]) -> list[Bucket]:
         buckets = layout_buckets(self.module, entries, self.bucket_bytes, self.device, self.alloc, "broadcast",

@@ -1,6 +1,6 @@
 """The four-lane asynchronous pipeline: sampling, inference, gradient, broadcast."""
 
-from swimlane.runner import LaneError, Swimlane
-from swimlane.trace import Tracer, draw_gantt, load_trace, utilization
+from swimlane.assembly.lifecycle import LaneError, Swimlane
+from swimlane.observation.trace import Tracer, draw_gantt, load_trace, utilization
 
 __all__ = ["LaneError", "Swimlane", "Tracer", "draw_gantt", "load_trace", "utilization"]

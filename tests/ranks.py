@@ -125,7 +125,7 @@ def ordered_lanes(rank: int, order, learners, control, iterations: int, device: 
     """A learner's two lanes as two threads, each delayed at random (differently on each
     rank): one all-reduces ``iterations`` updates on ``learners``, one broadcasts the
     published versions on ``control`` (rank 0 sends, then -1 to end). Both pass the
-    gates of ``order`` (:class:`swimlane.ordering.CollectiveOrder`) as the lanes do.
+    gates of ``order`` (:class:`swimlane.agreement.ordering.CollectiveOrder`) as the lanes do.
     Returns the order in which this rank issued its collectives."""
     import queue
     import random
@@ -261,3 +261,14 @@ class LineProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def rewire(swim, **parts):
+    """Replace some of a built rank's parts (a channel wrapped by a test, say) and wire its
+    lanes again, as the product wires them (:func:`swimlane.assembly.wiring.connect`)."""
+    from swimlane.assembly.wiring import connect
+
+    for name, value in parts.items():
+        setattr(swim.parts, name, value)
+    swim.lanes = connect(swim.parts, swim.state, swim.updates)
+    return swim

@@ -36,8 +36,8 @@ def _worker(rank: int, port: int, per_rank: dict[int, list[str]], iterations: in
                 out.put((rank, {"raised": f"{type(exc).__name__}: {exc}", "violations": fake.violations}))
                 dist.destroy_process_group()
                 return
-            start = {"resumed_from": lanes.resumed_from, "version": lanes.version,
-                     "digest": weights_digest(lanes.policy), "carried": lanes.ledger.carried_env_steps}
+            start = {"resumed_from": lanes.state.resumed_from, "version": lanes.version,
+                     "digest": weights_digest(lanes.policy), "carried": lanes.state.ledger.carried_env_steps}
             summary = lanes.run()
             shutdown()
         out.put((rank, {**start, "final_version": summary["version"], "final_digest": summary["weights_digest"],

@@ -157,7 +157,7 @@ def test_optim_groups_set_per_module_learning_rates_and_leave_frozen_parameters_
     from dvla.algos import build_algorithm
     from dvla.state.checkpoint import CheckpointManager
     from dvla.config import AlgoConfig
-    from swimlane.checkpointing import RunCheckpoints
+    from swimlane.agreement.checkpoints import RunCheckpoints
 
     def groups(policy):
         head = list(policy.action_head.parameters())

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from swimlane.autotune import Controller, Knob, Profile
+from swimlane.adaptation.autotune import Controller, Knob, Profile
 
 
 def peaked(px, py):
@@ -139,14 +139,14 @@ def test_an_autotuned_run_logs_its_decisions_in_the_metrics(tmp_path):
         "swimlane.autotune_start_groups=1", "env.options.render_cost_ms=2", "run.iterations=40", "env.image_size=16", "env.n_envs=32",
         "run.torch_threads=1", "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     summary = lanes.run()
-    decisions = lanes.tuner.controller.decisions
+    decisions = lanes.lanes.tuner.controller.decisions
     assert decisions and all(d.knob in ("env_groups", "gradient_nice", "inference_wait_ms", "take_turns",
                                         "torch_threads", "split_cpus") for d in decisions)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     tuned = [r for r in rows if "autotune_env_groups" in r]
     assert tuned and all(1 <= r["autotune_env_groups"] <= 3 and 0 <= r["autotune_gradient_nice"] <= 15
                          and r["autotune_take_turns"] in (0.0, 1.0) for r in tuned)
-    assert lanes.turns.on == bool(lanes.tuner.controller.values["take_turns"])  # the knob is the switch
+    assert lanes.lanes.turns.on == bool(lanes.lanes.tuner.controller.values["take_turns"])  # the knob is the switch
     assert tuned[-1]["autotune_decisions"] >= 1
     # autotune_start_groups=1: one group steps until a decision raises the count (spares wait)
     assert all(r["autotune_env_groups"] == 1 for r in tuned if r["autotune_decisions"] == 0)
@@ -187,7 +187,7 @@ def test_a_run_taking_turns_learns_and_accounts_for_every_chunk(tmp_path):
         "swimlane.take_turns=true", "run.iterations=30", "env.image_size=16", "run.torch_threads=1",
         "run.progress=false", f"run.out_dir={tmp_path / 'run'}"]))
     s = lanes.run()
-    assert s["version"] == 30 and s["error"] is None and lanes.turns.on
+    assert s["version"] == 30 and s["error"] is None and lanes.lanes.turns.on
     assert s["chunks_sent"] == s["chunks_consumed"] + s["dropped_stale"] + s["discarded_after_run"]
     rates = [h["success_rate"] for h in lanes.history]
     assert sum(rates[-5:]) / 5 > sum(rates[:5]) / 5 + 0.1
@@ -196,9 +196,9 @@ def test_a_run_taking_turns_learns_and_accounts_for_every_chunk(tmp_path):
 def test_the_tuner_measures_whole_chunks_and_waits_for_one():
     """Env steps are counted a chunk at a time: the rate runs from the last chunk counted
     before a window to the last one in it, and a window without a chunk goes on."""
-    from swimlane.autotune import Setting, Tuner
-    from swimlane.ledger import Ledger
-    from swimlane.trace import Tracer
+    from swimlane.adaptation.autotune import Setting, Tuner
+    from swimlane.observation.ledger import Ledger
+    from swimlane.observation.trace import Tracer
 
     ledger, value = Ledger(), {"k": 1}
     tuner = Tuner([Setting(Knob("k", 0, 2), lambda: value["k"], lambda v: value.update(k=v))], ledger=ledger,
@@ -220,9 +220,9 @@ def test_the_rate_counts_idle_env_steps_so_a_policy_that_succeeds_sooner_is_no_s
     useful steps of a chunk fall while the pace of the rollout stays. The profile's rate is
     the pace (every env step), so the controller does not read learning as its moves
     failing; the idle share reports the rest."""
-    from swimlane.autotune import Setting, Tuner
-    from swimlane.ledger import Ledger
-    from swimlane.trace import Tracer
+    from swimlane.adaptation.autotune import Setting, Tuner
+    from swimlane.observation.ledger import Ledger
+    from swimlane.observation.trace import Tracer
 
     ledger = Ledger()
     tuner = Tuner([Setting(Knob("x", 0, 1), lambda: 0, lambda v: None)], ledger=ledger, tracer=Tracer(),
@@ -248,10 +248,10 @@ def test_cpu_knobs_pin_the_lanes_threads_and_set_torch_threads():
     import torch
 
     from dvla.config import SwimlaneConfig
-    from swimlane.tuning import tuner_for
+    from swimlane.adaptation.tuning import tuner_for
     from swimlane.lanes.turns import Turns
-    from swimlane.ledger import Ledger
-    from swimlane.trace import Tracer
+    from swimlane.observation.ledger import Ledger
+    from swimlane.observation.trace import Tracer
 
     if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs thread affinity and two CPUs")

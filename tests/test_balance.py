@@ -1,10 +1,11 @@
-"""Imbalance between rollout ranks (swimlane/balance.py): what the learners measure, who is
+"""Imbalance between rollout ranks (swimlane/adaptation/balance.py): what the learners measure, who is
 named a straggler, the plan (shares and env groups moved) and how it travels and applies."""
 
 import pytest
 
-from swimlane.admission import Admission
-from swimlane.balance import HEADROOM, NO_PLAN, Plan, Rebalancer, Throughput, stragglers
+from swimlane.lanes.admission import Admission
+from swimlane.adaptation.balance import HEADROOM, NO_PLAN, Rebalancer, Rebalancing, stragglers
+from swimlane.observation.throughput import Throughput
 
 
 class Clock:
@@ -42,20 +43,20 @@ def test_stragglers_are_the_ranks_below_a_kth_of_the_median():
 
 
 def test_a_plan_travels_as_integers_and_bad_words_are_refused():
-    plan = Plan(shares={1: 0.25, 2: 0.75}, active={1: 0, 2: 3}, routes={1: 0, 2: 1})
+    plan = Rebalancing(shares={1: 0.25, 2: 0.75}, active={1: 0, 2: 3}, routes={1: 0, 2: 1})
     words = plan.encode(world_size=3)
     assert words[:3] == [NO_PLAN] * 3 and len(words) == 9
-    back = Plan.decode(words)
+    back = Rebalancing.decode(words)
     assert back.shares == pytest.approx(plan.shares) and (back.active, back.routes) == (plan.active, plan.routes)
-    assert Plan.decode(Plan().encode(3)) == Plan()
+    assert Rebalancing.decode(Rebalancing().encode(3)) == Rebalancing()
     with pytest.raises(ValueError, match="share"):
-        Plan.decode([0, 1, NO_PLAN])
+        Rebalancing.decode([0, 1, NO_PLAN])
     with pytest.raises(ValueError, match="env groups"):
-        Plan.decode([500_000, -2, NO_PLAN])
+        Rebalancing.decode([500_000, -2, NO_PLAN])
     with pytest.raises(ValueError, match="send to rank 3 of 2"):
-        Plan.decode([NO_PLAN, NO_PLAN, 3, NO_PLAN, NO_PLAN, NO_PLAN])
+        Rebalancing.decode([NO_PLAN, NO_PLAN, 3, NO_PLAN, NO_PLAN, NO_PLAN])
     with pytest.raises(ValueError, match="3 words"):
-        Plan.decode([1, 2])
+        Rebalancing.decode([1, 2])
 
 
 def test_the_rebalancer_shares_by_capacity_and_moves_one_group_per_window_within_bounds():

@@ -12,7 +12,7 @@ from dvla.envs import make_env
 from dvla.policy import PolicySpec, build_policy
 from dvla.config.presets import debug
 from dvla.rollout import collect_episodes
-from swimlane.validate import ChunkSpec, check_chunk
+from swimlane.lanes.validate import ChunkSpec, check_chunk
 
 WRIST = EnvConfig(name="fast_reach", n_envs=4, image_size=16, options={"wrist_camera": 8})
 
@@ -86,7 +86,7 @@ def test_prepare_keeps_the_cameras_a_policy_reads_in_its_order():
 def test_rollout_extras_the_data_plane_cannot_carry_are_a_config_error(tmp_path):
     """Checked when the job is built, not when the first chunk is sent."""
     from dvla.distributions import ExtraSpec
-    from swimlane.build import check_policy_io
+    from swimlane.assembly.build import check_policy_io
 
     env = make_env(WRIST)
     policy = build_policy("tiny_vla", PolicySpec.for_env(env.spec), {"hidden_dim": 8, "vision_channels": 4,

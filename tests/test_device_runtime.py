@@ -63,21 +63,15 @@ def test_a_colocated_async_swimlane_keeps_the_discipline(tmp_path):
             return real_step(actions)
 
         lanes.envs[1].step = flaky_step
-        make = lanes._make_inference
-
-        def batching_inference():  # a forward pass waits for both groups: its batch comes from its pool
-            lane = make()
-            # The groups' first requests come together: 0.1 s gives the same 4 batched passes as
-            # 1 s did, in 5 s instead of 40 (a pass for one group waits it out); 0 gives none.
-            lane.wait_s = 0.1
-            return lane
-
-        lanes._make_inference = batching_inference
-        assert lanes.host_pool is not lanes.memory.transient and lanes.host_pool.pin_memory
+        # A forward pass waits for both groups: its batch comes from its pool. The groups'
+        # first requests come together: 0.1 s gives the same 4 batched passes as 1 s did, in
+        # 5 s instead of 40 (a pass for one group waits it out); 0 gives none.
+        lanes.lanes.inference.wait_s = 0.1
+        assert lanes.parts.host_pool is not lanes.memory.transient and lanes.parts.host_pool.pin_memory
         summary = lanes.run()
     assert fake.violations == []
     assert summary["version"] == 6 and summary["env_errors"] == 1
-    assert lanes.memory.inference.stats().allocations > 0 and lanes.host_pool.stats().reuses > 0
+    assert lanes.memory.inference.stats().allocations > 0 and lanes.parts.host_pool.stats().reuses > 0
 
 
 def test_the_fake_catches_a_thread_that_never_bound_the_device():
@@ -166,7 +160,7 @@ def _receiver_worker(rank: int, port: int, out_dir: str, queue) -> None:
                                             "swimlane.collective_timeout_s=77"])
             lanes = Swimlane(cfg, rank=rank, world_size=2)
             timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-                        for g in (lanes.groups.learner, lanes.groups.control)
+                        for g in (lanes.parts.groups.learner, lanes.parts.groups.control)
                         if isinstance(g, dist.ProcessGroup)]  # (rank 1 is no member of the learners')
             summary = lanes.run()
             with fake.collective():

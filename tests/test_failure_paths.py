@@ -21,7 +21,7 @@ from dvla.config import ConfigError, apply_overrides
 from dvla.config.presets import debug
 from dvla.state.rundir import LATEST, latest_run, new_run_dir, point_latest
 from dvla.metrics import truncate_metrics
-from swimlane.trace import Tracer
+from swimlane.observation.trace import Tracer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,9 +85,9 @@ def test_a_startup_failure_discards_the_new_run_and_resume_takes_the_newest_with
 
 
 def _lane(monkeypatch, items, algo=None, check=None, stall_s=600.0):
-    from swimlane.health import StallTimer, check_stall
-    from swimlane.lanes import learner as L
-    from swimlane.ledger import Ledger
+    from swimlane.observation.health import StallTimer, check_stall
+    from swimlane.lanes import gradient as L
+    from swimlane.observation.ledger import Ledger
 
     if check is not None:
         monkeypatch.setattr(L, "check_chunk", check)
@@ -95,8 +95,8 @@ def _lane(monkeypatch, items, algo=None, check=None, stall_s=600.0):
     it = iter(items)
     source = SimpleNamespace(get=lambda timeout=0.0: next(it, None))
     ledger = Ledger()
-    return L.LearnerLane(source=source, algo=algo, generator=None, ledger=ledger, tracer=Tracer(False),
-                         cfg=L.LearnerConfig(need=1, max_staleness=4, iterations=100, stop_rollouts_before_last=False,
+    return L.GradientLane(source=source, algo=algo, generator=None, ledger=ledger, tracer=Tracer(False),
+                         cfg=L.GradientConfig(need=1, max_staleness=4, iterations=100, stop_rollouts_before_last=False,
                                              spec=object() if check else None, poll_s=0.0),
                          version=lambda: 0, finish_update=lambda u: False,
                          check_health=lambda stall: check_stall(stall, ledger.counts, 0),
@@ -283,7 +283,7 @@ def test_the_trace_keeps_the_newest_spans_and_says_once_that_older_ones_were_dro
 
 
 def test_autotune_reads_on_past_the_trace_window():
-    from swimlane.autotune import LaneClock
+    from swimlane.adaptation.autotune import LaneClock
 
     tr = Tracer(True, max_spans=10)
     clock = LaneClock(tr)

@@ -15,7 +15,7 @@ from dvla.config import EnvConfig, apply_overrides
 from dvla.envs import env_spec, make_env
 from dvla.metrics import read_metrics
 from dvla.config.presets import genesis_reach
-from swimlane.runner import Swimlane
+from swimlane.assembly.lifecycle import Swimlane
 
 if importlib.util.find_spec("genesis") is None:
     pytest.skip("genesis-world is not installed", allow_module_level=True)

@@ -18,8 +18,8 @@ from dvla.policy import PolicySpec, build_policy
 from dvla.config.presets import debug, fast_reach
 from dvla.rollout import collect_episodes
 from dvla.types import Observation
-from swimlane.chunks import ChunkError, batch_from_tensors
-from swimlane.validate import ChunkSpec, check_chunk
+from swimlane.lanes.chunks import ChunkError, batch_from_tensors
+from swimlane.lanes.validate import ChunkSpec, check_chunk
 
 
 def test_the_flow_heads_log_prob_is_that_of_its_gaussian_transitions():

@@ -223,7 +223,7 @@ def test_a_run_with_independent_envs_learns_fast_reach(tmp_path, mode):
     first, last = sum(success[:8]) / 8, sum(success[-8:]) / 8
     assert last > first + 0.12, (first, last)
     if mode == "autotune":
-        assert lanes.tuner is not None and lanes.tuner.controller.decisions
+        assert lanes.lanes.tuner is not None and lanes.lanes.tuner.controller.decisions
         assert rows[-1]["autotune_decisions"] >= 1
 
 

@@ -119,8 +119,8 @@ def test_a_resumed_run_holds_the_normalisation_exactly_without_the_sft_run(sft_r
     (out / "normalization.json").unlink()
     lanes = rl(out, "run.iterations=2", "run.save_every=1", "algo.kl_coef=0.1", f"policy.init={sft}",
                "run.resume=true")
-    assert lanes.resumed_from == 1
-    acting = [lanes.policy, lanes.algo.reference, *lanes.weights.replicas]
+    assert lanes.state.resumed_from == 1
+    acting = [lanes.policy, lanes.algo.reference, *lanes.parts.weights.replicas]
     for model in acting:
         n = model.normalizer
         assert n is not None and n.to_json() == want.to_json()
@@ -142,7 +142,7 @@ def test_a_run_without_a_normalisation_records_none(tmp_path):
     manifest = json.loads((out / "checkpoints" / "step-00000001" / "manifest.json").read_text())
     assert manifest["normalization"] is None
     lanes = rl(out, "run.iterations=2", "run.resume=true")
-    assert lanes.resumed_from == 1 and lanes.policy.normalizer is None
+    assert lanes.state.resumed_from == 1 and lanes.policy.normalizer is None
 
 
 @pytest.mark.parametrize("damage", ["corrupt", "missing"])

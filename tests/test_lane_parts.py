@@ -3,9 +3,9 @@ health checks, and admission by weights version."""
 
 import pytest
 
-from swimlane.admission import Admission
-from swimlane.health import FailureBudget, StallTimer, dead_senders
-from swimlane.ledger import COUNTERS, Ledger, chunk_accounting
+from swimlane.lanes.admission import Admission
+from swimlane.observation.health import FailureBudget, StallTimer, dead_senders
+from swimlane.observation.ledger import COUNTERS, Ledger, chunk_accounting
 
 
 def test_ledger_counts_and_carries_totals_across_a_resume():
@@ -100,11 +100,11 @@ def _lanes_on_fast_reach(mode="async", groups=2, turns=None):
     from dvla.envs import make_env
     from dvla.policy import PolicySpec, build_policy
     from planes.buckets import flat_buckets
-    from swimlane.channels import LocalChannel
-    from swimlane.chunks import LocalChunks
+    from swimlane.lanes.channels import LocalChannel
+    from swimlane.lanes.chunks import LocalChunks
     from swimlane.lanes import InferenceLane, SamplingConfig, SamplingLane
-    from swimlane.trace import Tracer
-    from swimlane.weights import DoubleBufferedWeights
+    from swimlane.observation.trace import Tracer
+    from swimlane.lanes.weights import DoubleBufferedWeights
 
     torch.manual_seed(0)
     env_cfg = EnvConfig(name="fast_reach", n_envs=4, episode_len=3, image_size=16)
@@ -132,7 +132,7 @@ def test_sampling_and_inference_lanes_step_in_one_thread():
     """A serial driver: the lanes' step() in turn, no threads. Both groups' requests go
     into one forward pass; each finished batch of episodes becomes a chunk stamped with
     the weights version, with GRPO group ids unique across groups and chunks."""
-    from swimlane.admission import Admission
+    from swimlane.lanes.admission import Admission
 
     sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach()
     sampling.admission = Admission(0, 1, 1, 1)
@@ -166,7 +166,7 @@ def test_taking_turns_answers_inline_and_holds_one_lock():
     import threading
     import time
 
-    from swimlane.admission import Admission
+    from swimlane.lanes.admission import Admission
     from swimlane.lanes.turns import Turns
 
     turns = Turns(on=True)
@@ -223,7 +223,7 @@ def test_taking_turns_before_the_inference_lane_exists_waits_for_it():
     with turns on it asks again after each wait, rather than wait for a thread that idles."""
     import threading
 
-    from swimlane.admission import Admission
+    from swimlane.lanes.admission import Admission
     from swimlane.lanes.turns import Turns
 
     sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach(groups=1, turns=Turns(on=True))
@@ -265,7 +265,7 @@ def test_snapshot_slot_hands_over_the_newest_version_and_skips_when_busy():
 def test_the_serial_driver_reports_a_deadlock_and_a_failing_lane():
     import threading
 
-    from swimlane.driver import LaneError, SerialDriver
+    from swimlane.assembly.driver import LaneError, SerialDriver
 
     seen = []
 
@@ -290,7 +290,7 @@ def test_the_serial_driver_reports_a_deadlock_and_a_failing_lane():
 def test_a_local_channel_waits_when_full_and_stops_sending_after_a_stop():
     import threading
 
-    from swimlane.channels import Chunk, LocalChannel
+    from swimlane.lanes.channels import Chunk, LocalChannel
 
     ch, stop = LocalChannel(capacity=1, poll_s=0.01), threading.Event()
     assert ch.get(0.0) is None and ch.depth() == 0
@@ -304,8 +304,8 @@ def test_a_local_channel_waits_when_full_and_stops_sending_after_a_stop():
 
 
 def test_only_active_groups_start_batches():
-    """swimlane.autotune's env_groups knob: a parked group beyond ``active`` is not started."""
-    from swimlane.admission import Admission
+    """swimlane.adaptation.autotune's env_groups knob: a parked group beyond ``active`` is not started."""
+    from swimlane.lanes.admission import Admission
 
     sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach(groups=3)
     sampling.admission = Admission(0, 1, 1, 1000)  # admission never holds here
@@ -327,13 +327,13 @@ def test_only_active_groups_start_batches():
 
 @pytest.mark.alone
 def test_inference_waits_for_more_groups_up_to_its_wait():
-    """swimlane.autotune's inference_wait_ms knob: a forward pass waits (up to wait_s) for
+    """swimlane.adaptation.autotune's inference_wait_ms knob: a forward pass waits (up to wait_s) for
     the other groups' requests and answers them in one pass; without a wait it goes alone,
     and it never waits for groups that do not step."""
     import threading
     import time
 
-    from swimlane.admission import Admission
+    from swimlane.lanes.admission import Admission
 
     sampling, inference, sink, weights, ledger, requests = _lanes_on_fast_reach(groups=2)
     sampling.admission = Admission(0, 1, 1, 1000)

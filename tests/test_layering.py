@@ -8,10 +8,16 @@ layer's modules and lower layers':
 1. ``planes``, ``launch``: infrastructure. Each owns its configuration and errors and
    imports nothing from the other or from above (the device runtime from below).
 2. ``dvla``, the library: every module of the package but its applications.
-3. ``swimlane``: the lanes, built from the library and the infrastructure.
+3. ``swimlane``, built from the library and the infrastructure, in layers of its own
+   sub-packages: ``observation`` (trace, ledger, health, throughput, status); ``agreement`` |
+   ``adaptation`` (learners' one state and one order of collectives | autotune, rebalancing,
+   roles); ``lanes`` (the lanes and what they pass); ``assembly`` (plan, builders, wiring,
+   lifecycle); the package itself (its public names).
 4. ``dvla.app``: the applications (one per command), and the runnable modules that hand over
    to them (a module of the library with an ``if __name__ == "__main__"`` block:
    ``dvla.launch``, ``dvla.cli``).
+
+A module belongs to the longest package of :data:`LAYERS` that holds it.
 """
 
 from __future__ import annotations
@@ -22,17 +28,20 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP = ("memory", ("planes", "launch"), "dvla", "swimlane")  # lowest first; a tuple: one layer of independents
 APP = "dvla.app"
+# Lowest first; the packages of one layer are independent of each other.
+LAYERS = (("memory",), ("planes", "launch"), ("dvla",), ("swimlane.observation",),
+          ("swimlane.agreement", "swimlane.adaptation"), ("swimlane.lanes",), ("swimlane.assembly",), ("swimlane",),
+          (APP,))
+TOP = ("memory", "planes", "launch", "dvla", "swimlane")
 
 
 def modules(root: Path) -> dict[str, Path]:
     out = {}
-    for entry in TOP:
-        for pkg in (entry if isinstance(entry, tuple) else (entry,)):
-            for path in (root / pkg).rglob("*.py"):
-                name = ".".join(path.relative_to(root).with_suffix("").parts)
-                out[name.removesuffix(".__init__")] = path
+    for pkg in TOP:
+        for path in (root / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(root).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
     return out
 
 
@@ -69,14 +78,13 @@ def runnable(path: Path) -> bool:
 
 
 def layer_of(name: str, path: Path) -> tuple[int, str]:
-    """``(layer, unit)``: modules of one layer may import each other only within a unit."""
-    if name == APP or name.startswith(APP + ".") or (name.startswith("dvla.") and runnable(path)):
-        return len(TOP), "app"
-    top = name.split(".")[0]
-    for layer, entry in enumerate(TOP):
-        if top == entry or (isinstance(entry, tuple) and top in entry):
-            return layer, top
-    raise ValueError(name)
+    """``(layer, unit)``: modules of one layer may import each other only within a unit (a
+    package of :data:`LAYERS`)."""
+    if name.startswith("dvla.") and runnable(path):
+        name = APP
+    best = max((pkg for layer in LAYERS for pkg in layer if name == pkg or name.startswith(pkg + ".")), key=len)
+    layer = next(i for i, pkgs in enumerate(LAYERS) if best in pkgs)
+    return layer, "app" if best == APP else best
 
 
 def violations(root: Path) -> tuple[list[str], list[list[str]]]:
@@ -118,12 +126,16 @@ def test_the_import_walker_sees_function_local_and_relative_imports(tmp_path):
 
 def test_the_layers_follow_the_package_structure():
     known = modules(ROOT)
-    assert layer_of("dvla.app.report.gantt", known["dvla.app.report.gantt"]) == (4, "app")
-    assert layer_of("dvla.launch", known["dvla.launch"]) == (4, "app")  # runnable: torchrun's module
+    app = len(LAYERS) - 1
+    assert layer_of("dvla.app.report.gantt", known["dvla.app.report.gantt"]) == (app, "app")
+    assert layer_of("dvla.launch", known["dvla.launch"]) == (app, "app")  # runnable: torchrun's module
     assert layer_of("dvla.state.checkpoint", known["dvla.state.checkpoint"]) == (2, "dvla")
     assert layer_of("memory.pools", known["memory.pools"]) == (0, "memory")
     assert layer_of("planes.control", known["planes.control"]) == (1, "planes")
     assert layer_of("launch.topology", known["launch.topology"]) == (1, "launch")
+    assert layer_of("swimlane.lanes.sampling", known["swimlane.lanes.sampling"]) == (5, "swimlane.lanes")
+    assert layer_of("swimlane.adaptation.roles", known["swimlane.adaptation.roles"])[0] == \
+        layer_of("swimlane.agreement.ordering", known["swimlane.agreement.ordering"])[0] == 4
 
 
 def test_no_import_goes_against_the_layer_order_and_none_makes_a_cycle():
@@ -151,8 +163,8 @@ def test_a_planted_upward_import_and_a_planted_cycle_are_caught(tmp_path):
     assert violations(clean) == ([], [])
     upward = _tree(tmp_path / "up", {"dvla/state/disk.py": "def f():\n    from dvla.app import run\n",
                                      "dvla/app/run.py": ""})
-    assert violations(upward)[0] == ["dvla.state.disk (layer 2, dvla) imports dvla.app (layer 4, app)",
-                                     "dvla.state.disk (layer 2, dvla) imports dvla.app.run (layer 4, app)"]
+    assert violations(upward)[0] == ["dvla.state.disk (layer 2, dvla) imports dvla.app (layer 8, app)",
+                                     "dvla.state.disk (layer 2, dvla) imports dvla.app.run (layer 8, app)"]
     cycle = _tree(tmp_path / "cycle", {"dvla/state/a.py": "from dvla.state import b\n",
                                        "dvla/state/b.py": "def f():\n    import dvla.state.a\n"})
     assert violations(cycle)[1] == [["dvla.state.a", "dvla.state.b", "dvla.state.a"]]

@@ -20,7 +20,7 @@ def _worker(rank: int, port: int, out) -> None:
     from dvla.distributed import allreduce_mean_grads, default_backend, mean_over_group
     from planes.control import WeightBroadcaster, new_control_group
     from ranks import ordered_lanes
-    from swimlane.ordering import CollectiveOrder
+    from swimlane.agreement.ordering import CollectiveOrder
 
     try:
         torch.cuda.set_device(rank)
@@ -45,7 +45,7 @@ def _worker(rank: int, port: int, out) -> None:
             v = bc.receive_version()
             bc.receive_buckets(v, into=[b.flat for b in bc.buckets])
         res["weights"] = float(torch.cat([p.detach().flatten() for p in net.parameters()]).sum())
-        # Two threads, two communicators, one order (swimlane/ordering.py).
+        # Two threads, two communicators, one order (swimlane/agreement/ordering.py).
         order = CollectiveOrder(enabled=True, start=0, every=2, last=6)
         res["seq"] = ordered_lanes(rank, order, learners, control, 6, device=str(dev))
         dist.barrier()

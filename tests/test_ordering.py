@@ -1,4 +1,4 @@
-"""One order of collectives on every learner rank (swimlane/ordering.py), on real gloo
+"""One order of collectives on every learner rank (swimlane/agreement/ordering.py), on real gloo
 groups: two threads per rank, one all-reducing "gradients", one broadcasting weights, each
 delayed at random and differently on each rank. Gloo would not deadlock on a different
 order (NCCL can), so the test records the order in which each rank issued its collectives
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from ranks import RankPool, ordered_lanes
 
-from swimlane.ordering import CollectiveOrder
+from swimlane.agreement.ordering import CollectiveOrder
 
 N, EVERY = 10, 3
 

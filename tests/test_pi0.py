@@ -315,7 +315,7 @@ def test_a_plugin_expert_reading_a_kv_cache_needs_no_subclass_of_the_head(tmp_pa
     flow head: its weights are the head's submodule (trained, saved), the rollout records
     chains the learner scores at ratio one, and a run of the product trains it."""
     from swimlane import Swimlane
-    from swimlane.validate import ChunkSpec, check_chunk
+    from swimlane.lanes.validate import ChunkSpec, check_chunk
 
     env = make_env(EnvConfig(name="fast_reach", n_envs=4, image_size=16), seed=0)
     policy = build_policy("test_kv_expert", PolicySpec.for_env(env.spec, 2), {})

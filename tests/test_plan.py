@@ -1,4 +1,4 @@
-"""A rank's plan (swimlane/plan.py): what each role is made of, printed by --print-rank, and
+"""A rank's plan (swimlane/assembly/plan.py): what each role is made of, printed by --print-rank, and
 the parts a live rank builds and the lanes it starts follow it."""
 
 import subprocess
@@ -11,7 +11,7 @@ from dvla.config.presets import debug, fast_reach
 from launch.placement import place
 from launch.topology import from_spec
 from swimlane import Swimlane
-from swimlane.plan import format_plan, plan_rank, plans_for
+from swimlane.assembly.plan import Broadcast, Route, format_plan, plan_rank, plans_for
 
 # Four processes on two hosts, two learners: rank 0 learns and samples (colocated), rank 1
 # learns only when colocate=false, ranks 2 and 3 only sample.
@@ -26,30 +26,34 @@ def test_a_colocated_learner_runs_all_four_lanes_and_publishes():
     p = _plans()[0]
     assert p.role == "learner+rollout" and p.learner and p.rollout
     assert p.lanes == ("gradient", "broadcast", "inference", "sampling")
-    assert p.weights == "replicas+snapshot" and p.checkpoints == "write" and p.grad_sync == "fsdp"
+    assert p.broadcast == Broadcast("source", 0, "replicas+snapshot", "fp32")
+    assert p.checkpoints == "write" and p.grad_sync == "fsdp"
     assert p.env_groups == p.env_groups_stepping == 2 and p.envs_per_group == 64
-    chunks = [(c.src, c.dst, c.kind) for c in p.channels if c.name == "chunks"]
-    assert ("rank0", "rank0", "ipc") in chunks  # its own chunks, over ipc to its own receiver
-    assert {"requests", "replies", "snapshot", "weights"} <= {c.name for c in p.channels}
+    assert p.chunks.routes == (Route(0, "ipc"),)  # its own chunks, over ipc to its own receiver
+    assert 0 in p.chunks.senders and p.chunks.senders_elsewhere  # ranks on host1 send to it too
+    assert p.groups.learners == (0, 1) and p.groups.backend == "gloo" and p.groups.stages is not None
+    text = format_plan(p)
+    for channel in ("requests", "replies", "snapshot", "weights"):
+        assert f"channel:  {channel}" in text
 
 
 def test_a_rollout_only_rank_receives_weights_and_sends_chunks_to_its_learner():
     plans = _plans("swimlane.colocate=false")
     p = plans[3]
     assert p.role == "rollout" and not p.learner
-    assert p.lanes == ("receive", "inference", "sampling") and p.weights == "replicas"
-    assert p.grad_sync == "none" and p.checkpoints == "none"
+    assert p.lanes == ("broadcast", "inference", "sampling")
     # Host 1's leader (rank 2) forwards the weights to rank 3 (the hierarchical broadcast).
-    assert [(c.src, c.dst) for c in p.channels if c.name == "weights"] == [("rank2", "rank3")]
-    assert p.chunks_to in (0, 1) and next(c.kind for c in p.channels if c.name == "chunks") == "tcp"
+    assert p.broadcast == Broadcast("receive", 2, "replicas", "fp32")
+    assert p.grad_sync == "none" and p.checkpoints == "none"
+    assert p.chunks_to in (0, 1) and p.chunks.routes == (Route(p.chunks_to, "tcp"),) and not p.chunks.senders
 
 
 def test_a_learner_only_rank_relays_weights_and_holds_no_envs_or_replicas():
     p = _plans("swimlane.colocate=false")[1]
     assert p.role == "learner" and not p.rollout
-    assert p.lanes == ("gradient", "relay") and p.weights == "relay" and p.env_groups == 0
-    assert p.chunks_to is None and p.checkpoints == "gather"
-    assert not {"requests", "replies"} & {c.name for c in p.channels}
+    assert p.lanes == ("gradient", "broadcast") and p.broadcast == Broadcast("relay", 0, "relay", "fp32")
+    assert p.env_groups == 0 and p.chunks_to is None and p.checkpoints == "gather"
+    assert "channel:  requests" not in format_plan(p) and p.pools.host is None
 
 
 def test_adaptive_roles_average_gradients_over_the_learners_with_samples():
@@ -60,6 +64,7 @@ def test_adaptive_roles_average_gradients_over_the_learners_with_samples():
     plans = plans_for(cfg, 3)
     assert [p.grad_sync for p in plans] == ["masked_mean", "masked_mean", "none"]
     assert all(p.chunks_to == 0 for p in plans)
+    assert [lr.learner for lr in plans[2].chunks.routes] == [0, 1]  # a sender to every learner, rank 0 first
     fixed = plans_for(apply_overrides(cfg, ["swimlane.roles=fixed", "algo.shard=none"]), 3)
     assert [p.grad_sync for p in fixed] == ["mean", "mean", "none"]
 
@@ -98,9 +103,11 @@ def test_print_rank_refuses_a_rank_outside_the_world():
 
 def test_a_live_rank_builds_and_starts_what_its_plan_names(tmp_path):
     cfg = apply_overrides(debug(), [f"run.out_dir={tmp_path}", "run.iterations=2"])
-    lanes = Swimlane(cfg)
-    assert lanes.plan == plans_for(cfg, 1)[0]
-    assert list(lanes._lanes()) == list(lanes.plan.lanes)
-    assert len(lanes.envs) == lanes.plan.env_groups and lanes.weights is not None and lanes.snapshot is not None
-    summary = lanes.run()
-    assert set(summary["lane_utilization"]) == set(lanes.plan.lanes)
+    swim = Swimlane(cfg)
+    assert swim.plan == plans_for(cfg, 1)[0]
+    assert list(swim.lanes.threads()) == list(swim.plan.lanes)
+    assert len(swim.envs) == swim.plan.env_groups and swim.parts.weights is not None
+    assert swim.parts.snapshot is not None
+    summary = swim.run()
+    assert set(summary["lane_utilization"]) == set(swim.plan.lanes)
+    assert summary["built"] == summary["plan"] == format_plan(swim.plan)

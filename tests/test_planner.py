@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from launch import cluster_model as planner
+from launch import cluster_model
 from launch.placement import place
 from dvla.app.plan import main
 from launch.cluster_model import (
@@ -17,8 +17,8 @@ from launch.cluster_model import (
     learner_count,
     parse_count,
     parse_nodes,
+    estimate,
     placement_shape,
-    plan,
     weak_scaling,
 )
 from launch.topology import from_spec
@@ -70,7 +70,7 @@ def test_flat_grows_with_ranks_and_hierarchical_stays_near_one_nic_transfer():
 
 def test_one_trillion_params_on_1024_nodes_is_fast_and_finite():
     t0 = time.perf_counter()
-    r = plan(1024, 8, "1T")
+    r = estimate(1024, 8, "1T")
     assert time.perf_counter() - t0 < 1.0
     assert r.ranks == 8192 and r.placement is None and r.bytes_per_version == 2e12
     assert r.hier.inter_node_copies == 1023 and r.leaders == 1024
@@ -90,24 +90,24 @@ def test_arithmetic_shape_matches_place(colocate):
                 n, co = learner_count(ranks, frac, colocate)
                 t = from_spec(f"{nodes}x{gpus}")
                 p = place(t, n, co)
-                got = planner._shape_of(p, t)
+                got = cluster_model._shape_of(p, t)
                 assert got == placement_shape(nodes, gpus, n, co), (nodes, gpus, frac, colocate)
 
 
 def test_plan_uses_place_for_small_clusters_and_arithmetic_for_large():
-    small = plan(8, 8, 7e9)
+    small = estimate(8, 8, 7e9)
     assert small.placement is not None and small.learners == 16 == len(small.placement.learners)
     assert small.learner_hosts == 2 and small.tcp_routes == 48 and small.rollout == 48
     big_nodes = PLACE_MAX_RANKS // 8 + 1
-    big = plan(big_nodes, 8, 7e9)
+    big = estimate(big_nodes, 8, 7e9)
     assert big.placement is None and big.leaders == big_nodes
     assert big.learners == round(0.25 * big_nodes * 8)
-    one = plan(1, 1, "500M")
+    one = estimate(1, 1, "500M")
     assert one.learners == 1 and one.colocate and one.flat.time_s == 0 and one.speedup == 1.0
     with pytest.raises(ValueError):
-        plan(0, 8, 7e9)
+        estimate(0, 8, 7e9)
     with pytest.raises(ValueError):
-        plan(2, 8, 7e9, learner_fraction=0)
+        estimate(2, 8, 7e9, learner_fraction=0)
 
 
 def test_learner_count():
@@ -153,7 +153,7 @@ def test_parse_count_and_nodes():
 def test_bucket_size_matches_the_control_plane():
     from planes.control import DEFAULT_BUCKET_BYTES
 
-    assert planner.BUCKET_BYTES == DEFAULT_BUCKET_BYTES
+    assert cluster_model.BUCKET_BYTES == DEFAULT_BUCKET_BYTES
 
 
 def test_main_prints_the_table(capsys):

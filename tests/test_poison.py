@@ -13,9 +13,10 @@ import torch
 from dvla.config import apply_overrides
 from dvla.config.presets import debug
 from dvla.types import RolloutBatch
+from ranks import rewire
 from swimlane import LaneError, Swimlane
-from swimlane.channels import Chunk
-from swimlane.validate import ChunkSpec, check_chunk
+from swimlane.lanes.channels import Chunk
+from swimlane.lanes.validate import ChunkSpec, check_chunk
 
 SYNC = ["swimlane.mode=sync", "swimlane.driver=serial", "swimlane.env_groups=1", "swimlane.max_staleness=0",
         "run.iterations=4"]
@@ -89,9 +90,10 @@ def clean(tmp_path_factory):
 def test_a_poisoned_chunk_is_rejected_counted_and_changes_nothing(tmp_path, clean, what):
     reason, poison = POISONS[what]
     lanes = Swimlane(cfg_for(tmp_path, "run"))
-    lanes.sink = lanes.source = Poisoner(lanes.source, poison)
+    chunks = Poisoner(lanes.parts.source, poison)
+    rewire(lanes, sink=chunks, source=chunks)
     summary = lanes.run()
-    assert summary["version"] == 4 and lanes.sink.sent == 4
+    assert summary["version"] == 4 and chunks.sent == 4
     assert summary[f"rejected_{reason}"] == 4, summary
     assert sum(v for k, v in summary.items() if k.startswith("rejected_")) == 4
     assert all(bool(torch.isfinite(p).all()) for p in lanes.policy.parameters())
@@ -107,7 +109,8 @@ def test_check_chunk_accepts_what_the_rollouts_send(tmp_path):
             got.append(chunk.batch)
             return self.inner.put(chunk, stop)
 
-    lanes.sink = lanes.source = Spy(lanes.source, None)
+    chunks = Spy(lanes.parts.source, None)
+    rewire(lanes, sink=chunks, source=chunks)
     lanes.run()
     spec = ChunkSpec.for_policy(lanes.policy, lanes.cfg.env.n_envs, lanes.cfg.env.episode_len)
     assert got and all(check_chunk(b, spec, learner_version=0) is None for b in got)
@@ -119,12 +122,13 @@ def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path, monke
     skipped, the weights stay as they were, and after ``max_bad_updates`` in a row the run
     stops with a report. (The learner's range checks reject such rewards first, issue #38,
     tests/test_trust.py; they are switched off here to reach the update's own guard.)"""
-    monkeypatch.setattr("swimlane.validate.check_ranges", lambda tensors, spec: None)
+    monkeypatch.setattr("swimlane.lanes.validate.check_ranges", lambda tensors, spec: None)
     lanes = Swimlane(cfg_for(tmp_path, "run", "algo.name=ppo", "policy.options.value_head=true",
                              "swimlane.max_bad_updates=2"))
     before = {k: v.clone() for k, v in lanes.policy.state_dict().items()}
     huge = _set("rewards", lambda t: torch.full_like(t, 3e38))
-    lanes.sink = lanes.source = Poisoner(lanes.source, huge, replace=True)
+    chunks = Poisoner(lanes.parts.source, huge, replace=True)
+    rewire(lanes, sink=chunks, source=chunks)
     with pytest.raises(LaneError, match=r"2 updates in a row had a non-finite loss or gradient"):
         lanes.run()
     assert lanes.counters["updates_non_finite"] == 2
@@ -138,4 +142,4 @@ def test_weights_that_are_not_finite_are_never_published(tmp_path):
         next(lanes.policy.parameters()).view(-1)[0] = float("nan")
     with pytest.raises(LaneError, match="the weights of version 0 hold NaN or inf: not published"):
         lanes.run()
-    assert lanes.weights.latest_version < 0 and lanes.counters["publishes"] == 0
+    assert lanes.parts.weights.latest_version < 0 and lanes.counters["publishes"] == 0

@@ -48,7 +48,7 @@ def test_an_rl_run_starts_from_the_sft_runs_weights_and_kl_reference(sft_run, tm
         lanes = build(f"run.out_dir={tmp_path / 'rl'}", "run.seed=5", "algo.kl_coef=0.1", f"policy.init={sft_run}")
     assert_same(lanes.policy.state_dict(), sft)
     assert_same(lanes.algo.reference.state_dict(), sft)  # the KL keeps the policy near the SFT one
-    assert_same({k: v.float() for k, v in lanes.snapshot.state_dict().items()}, sft)  # what version 0 publishes
+    assert_same({k: v.float() for k, v in lanes.parts.snapshot.state_dict().items()}, sft)  # what version 0 publishes
     assert f"policy.init: loaded {sft_run}" in caplog.text and "policy tiny_vla, version 1" in caplog.text
     # without policy.init the same run starts elsewhere (so the comparison above can fail)
     fresh = build(f"run.out_dir={tmp_path / 'fresh'}", "run.seed=5", "algo.kl_coef=0.1").policy.state_dict()

@@ -99,7 +99,7 @@ def test_a_job_bounds_its_receiver_by_its_largest_chunk():
     from dvla.config.presets import debug
     from dvla.rollout import collect_episodes
     from planes.serial import encode
-    from swimlane.validate import ChunkSpec
+    from swimlane.lanes.validate import ChunkSpec
 
     cfg = debug()
     env = make_env(cfg.env, torch.device("cpu"), seed=0)

@@ -58,7 +58,7 @@ def test_a_corrupt_checkpoint_is_refused_and_the_previous_one_used(tmp_path, cap
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
     lanes = Swimlane(cfg_for(out, "run.iterations=5", "run.resume=true"))
-    assert lanes.resumed_from == 2
+    assert lanes.state.resumed_from == 2
     assert any("step-00000004" in r.getMessage() and "sha256" in r.getMessage() for r in caplog.records)
     assert lanes.run()["version"] == 5
 

@@ -168,7 +168,7 @@ def two_rank_run(run, updates=10, meta=True):
     clocks differ (rank 0's run started at 1000.0, rank 1's at 50.0) and rank 1 started
     0.25 s after rank 0 by the wall clock. ``meta=False`` writes old traces (spans relative
     to each tracer's start, no run_start)."""
-    from swimlane.trace import Tracer
+    from swimlane.observation.trace import Tracer
 
     run.mkdir()
     rows = [{"iter": k, "time": k + 1.0, "env_steps": 64.0 * (k + 1), "success_rate": k / updates,
@@ -210,7 +210,7 @@ def two_rank_run(run, updates=10, meta=True):
 
 
 def test_tracer_saves_its_meta_and_its_time_base(tmp_path):
-    from swimlane.trace import Tracer, load_trace
+    from swimlane.observation.trace import Tracer, load_trace
 
     tr = Tracer()
     tr.t0 = 100.0
@@ -286,7 +286,7 @@ def test_gantt_of_old_traces_and_short_runs(tmp_path):
 
 
 def test_dvla_trace_draw_gantt_still_takes_one_trace(tmp_path):
-    from swimlane.trace import draw_gantt, draw_swimlanes
+    from swimlane.observation.trace import draw_gantt, draw_swimlanes
 
     spans = [("sampling", "sim", 1.0, 2.0), ("gradient", "learn", 2.0, 4.0), ("gradient", "wait", 4.0, 6.0)]
     png = draw_gantt(spans, tmp_path / "g.png", title="dvla swimlane, rank 0", window=(3.0, 6.0))

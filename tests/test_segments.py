@@ -17,7 +17,7 @@ from dvla.rollout import episode_stats
 from dvla.rollout.segments import SegmentRecorder
 from dvla.types import Observation
 from swimlane import Swimlane
-from swimlane.validate import ChunkSpec, check_chunk
+from swimlane.lanes.validate import ChunkSpec, check_chunk
 
 
 class Line(BatchedEnv):

@@ -1,4 +1,4 @@
-"""Rank 0's live status endpoint (swimlane/status.py): Prometheus rendering, the HTTP
+"""Rank 0's live status endpoint (swimlane/observation/status.py): Prometheus rendering, the HTTP
 handling against a real socket, and a live run read over HTTP from its ``on_update``."""
 
 import json
@@ -15,7 +15,7 @@ import pytest
 from dvla.config import ConfigError, apply_overrides
 from dvla.config.presets import debug
 from swimlane import Swimlane
-from swimlane.status import PROMETHEUS, StatusServer, metric_name, prom_value, render_metrics, serve_status
+from swimlane.observation.status import PROMETHEUS, StatusServer, metric_name, prom_value, render_metrics, serve_status
 
 NAME = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
 LABEL = r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"'
@@ -224,7 +224,7 @@ def test_it_runs_on_uvloop_in_its_own_thread_even_from_inside_a_running_loop(mon
 
     import uvloop
 
-    from swimlane import status
+    from swimlane.observation import status
 
     async def from_a_notebook():  # a caller whose thread already runs an event loop
         srv = StatusServer(lambda: SNAP)
@@ -247,7 +247,7 @@ def test_it_runs_on_uvloop_in_its_own_thread_even_from_inside_a_running_loop(mon
 
 
 def test_a_client_that_sends_nothing_in_time_gets_408(monkeypatch, server):
-    from swimlane import status
+    from swimlane.observation import status
 
     monkeypatch.setattr(status, "TIMEOUT_S", 0.2)
     _, addr, _ = server
@@ -255,7 +255,7 @@ def test_a_client_that_sends_nothing_in_time_gets_408(monkeypatch, server):
 
 
 def test_connections_past_the_limit_get_503(monkeypatch, server):
-    from swimlane import status
+    from swimlane.observation import status
 
     monkeypatch.setattr(status, "MAX_CONNECTIONS", 1)
     _, addr, _ = server
@@ -266,13 +266,13 @@ def test_connections_past_the_limit_get_503(monkeypatch, server):
 
 
 def test_only_rank_0_serves_and_only_when_asked():
-    class Lanes:
-        cfg = apply_overrides(debug(), ["run.status_port=0"])
-        rank = 1
+    from types import SimpleNamespace
 
-    assert serve_status(Lanes()) is None
-    Lanes.rank, Lanes.cfg = 0, debug()
-    assert serve_status(Lanes()) is None
+    def rank(r, cfg):  # what serve_status reads of a Swimlane
+        return SimpleNamespace(cfg=cfg, state=SimpleNamespace(rank=r))
+
+    assert serve_status(rank(1, apply_overrides(debug(), ["run.status_port=0"]))) is None
+    assert serve_status(rank(0, debug())) is None
 
 
 # -- a live run -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Lane streams (swimlane/streams.py): on the CPU a no-op the swimlane runs through; on CUDA
+"""Lane streams (swimlane/lanes/streams.py): on the CPU a no-op the swimlane runs through; on CUDA
 the inference lane's forward passes, on a stream of their own while a learner updates on
 another, give the actions they give alone, and weights written into a standby replica are
 complete when the inference lane switches to it."""
@@ -18,14 +18,14 @@ from dvla.policy import PolicySpec, build_policy
 from dvla.config.presets import debug
 from dvla.rollout import collect_episodes
 from planes.buckets import flat_buckets
-from swimlane.streams import LaneStream, tensors_of
-from swimlane.weights import DoubleBufferedWeights
+from swimlane.lanes.streams import LaneStream, tensors_of
+from swimlane.lanes.weights import DoubleBufferedWeights
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def test_lane_streams_are_a_no_op_on_the_cpu():
-    s = LaneStream(torch.device("cpu"), enabled=True, priority=-1)
+    s = LaneStream(torch.device("cpu"), enabled=True, high_priority=True)
     assert s.stream is None
     t = torch.ones(3)
     with s.use():
@@ -39,10 +39,10 @@ def test_lane_streams_are_a_no_op_on_the_cpu():
 
 @cuda
 def test_cuda_inference_stream_priority_switches_between_blocks():
-    """swimlane.autotune's inference_priority knob: the next block runs on a stream of the
+    """swimlane.adaptation.autotune's inference_priority knob: the next block runs on a stream of the
     highest or the lowest priority, and a result made on either is the same."""
     device = torch.device("cuda")
-    s = LaneStream(device, priority=-1)
+    s = LaneStream(device, high_priority=True)
     lo, hi = torch.cuda.Stream.priority_range()
     if lo == hi:
         pytest.skip("this GPU has one stream priority")
@@ -77,7 +77,7 @@ def test_cuda_inference_on_its_stream_beside_a_learner_gives_the_same_actions():
     replica = copy.deepcopy(policy).requires_grad_(False)
     algo = build_algorithm(AlgoConfig(name="grpo", group_size=4, lr=1e-3), policy)
     alone = [replica.act(obs, generator=torch.Generator(device).manual_seed(i)).actions.cpu() for i in range(20)]
-    s_inf, s_learn = LaneStream(device, priority=-1), LaneStream(device)
+    s_inf, s_learn = LaneStream(device, high_priority=True), LaneStream(device)
     assert s_inf.stream is not None and s_inf.stream != s_learn.stream
     got = []
 
@@ -104,7 +104,7 @@ def test_cuda_a_committed_replica_is_complete_for_a_reader_on_another_stream():
     replicas = [copy.deepcopy(policy).requires_grad_(False) for _ in range(2)]
     weights = DoubleBufferedWeights(replicas, [flat_buckets(r) for r in replicas])
     new = [torch.randn_like(f) for f in flat_buckets(copy.deepcopy(policy))]
-    reader = LaneStream(device, priority=-1)
+    reader = LaneStream(device, high_priority=True)
     for version in range(1, 6):
         src = [f * version for f in new]
         weights.write(version, src)  # non-blocking copies on this thread's stream, then commit

@@ -17,9 +17,9 @@ from dvla.metrics import read_metrics
 from dvla.config.presets import debug, fast_reach
 from dvla.rollout import collect_episodes
 from swimlane import LaneError, Swimlane, draw_gantt, load_trace, utilization
-from swimlane.channels import Chunk
-from swimlane.chunks import concat
-from swimlane.weights import DoubleBufferedWeights
+from swimlane.lanes.channels import Chunk
+from swimlane.lanes.chunks import concat
+from swimlane.lanes.weights import DoubleBufferedWeights
 
 
 def cfg_for(tmp_path, *overrides, name="run"):
@@ -162,10 +162,10 @@ def _chunk(policy, env, version, offset):
 def test_stale_chunks_are_dropped_and_counted(tmp_path):
     """Feed the learner lane by hand, in this thread: chunks older than max_staleness are
     dropped and counted, and only usable ones count as progress."""
-    from swimlane.chunks import LocalChunks
-    from swimlane.health import StallTimer
-    from swimlane.lanes import LearnerConfig, LearnerLane
-    from swimlane.ledger import Ledger
+    from swimlane.lanes.chunks import LocalChunks
+    from swimlane.observation.health import StallTimer
+    from swimlane.lanes import GradientConfig, GradientLane
+    from swimlane.observation.ledger import Ledger
 
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=3", "swimlane.max_staleness=0"))
     env, stop, source, ledger = lanes.envs[0], threading.Event(), LocalChunks(8), Ledger()
@@ -179,8 +179,8 @@ def test_stale_chunks_are_dropped_and_counted(tmp_path):
         seen.append(update.batch.policy_version.max().item())
         return version[0] == 3
 
-    lane = LearnerLane(source=source, algo=lanes.algo, generator=torch.Generator().manual_seed(0), ledger=ledger,
-                       tracer=lanes.tracer, cfg=LearnerConfig(need=1, max_staleness=0, iterations=3,
+    lane = GradientLane(source=source, algo=lanes.algo, generator=torch.Generator().manual_seed(0), ledger=ledger,
+                       tracer=lanes.state.tracer, cfg=GradientConfig(need=1, max_staleness=0, iterations=3,
                                                               stop_rollouts_before_last=False),
                        version=lambda: version[0], finish_update=finish, check_health=lambda stall: None,
                        stall=StallTimer(0.0))
@@ -343,12 +343,12 @@ def test_an_exception_in_a_lane_ends_the_run_with_its_traceback(tmp_path):
 
 
 def test_a_simulator_exception_resets_its_group_and_is_counted(tmp_path, monkeypatch):
-    import swimlane.rank as rank
+    import swimlane.assembly.wiring as wiring
 
     # A dropped batch leaves the rollouts throttled until the learner publishes, which it
-    # cannot without that batch: they sample anyway after _THROTTLE_S (2 s), 8 s of this
+    # cannot without that batch: they sample anyway after THROTTLE_S (2 s), 8 s of this
     # test's 9 with two errors. A shorter wait proves the same.
-    monkeypatch.setattr(rank, "_THROTTLE_S", 0.2)
+    monkeypatch.setattr(wiring, "THROTTLE_S", 0.2)
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=6", "swimlane.env_groups=2"))
     real_step, calls = lanes.envs[1].step, {"n": 0}
 
@@ -366,7 +366,7 @@ def test_a_simulator_exception_resets_its_group_and_is_counted(tmp_path, monkeyp
 
 
 def test_a_stuck_simulator_is_reported_not_a_silent_hang(tmp_path, monkeypatch):
-    import swimlane.runner as runner
+    import swimlane.assembly.lifecycle as runner
 
     # run() leaves the stuck lane after its grace periods (10 s and 5 s, which
     # test_a_stop_does_not_wait_forever_for_a_lane_blocked_in_a_collective tests): shortened
@@ -419,13 +419,13 @@ def test_a_stop_does_not_wait_forever_for_a_lane_blocked_in_a_collective(tmp_pat
     """torchrun stops the group with SIGTERM when a peer dies and kills it 30 s later. A lane
     blocked in a collective with the dead peer never returns, so run() leaves it after a
     grace period and still writes the summary."""
-    import swimlane.runner as runner
+    import swimlane.assembly.lifecycle as runner
 
     monkeypatch.setattr(runner, "_STOP_GRACE_S", 0.5)
     monkeypatch.setattr(runner, "_JOIN_S", 0.5)
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=100000"))
     never = threading.Event()
-    real_write, writes = lanes.weights.write, []
+    real_write, writes = lanes.parts.weights.write, []
 
     def write_then_block(version, flats):  # the first publish works, the next one never returns
         if writes:
@@ -433,7 +433,7 @@ def test_a_stop_does_not_wait_forever_for_a_lane_blocked_in_a_collective(tmp_pat
         writes.append(version)
         real_write(version, flats)
 
-    lanes.weights.write = write_then_block  # as a broadcast whose peer died would block
+    lanes.parts.weights.write = write_then_block  # as a broadcast whose peer died would block
     threading.Timer(2.0, lanes.request_stop).start()
     t0, result = time.monotonic(), {}
     run = threading.Thread(target=lambda: result.update(lanes.run()), daemon=True)
@@ -503,13 +503,14 @@ def test_publishing_every_third_version_does_not_livelock(tmp_path):
 def test_a_learner_that_drops_every_chunk_reports_a_stall(tmp_path, monkeypatch):
     """Chunks that arrive but are all too stale are no progress: the stall check fires
     (it used to count a dropped chunk as activity and wait forever)."""
-    import swimlane.rank as rank
+    import swimlane.assembly.wiring as wiring
 
-    monkeypatch.setattr(rank, "_THROTTLE_S", 0.2)  # 2 s in a run; the stall below is 10 times it
+    monkeypatch.setattr(wiring, "THROTTLE_S", 0.2)  # 2 s in a run; the stall below is 10 times it
     lanes = Swimlane(cfg_for(tmp_path, "run.iterations=1000", "swimlane.stall_timeout_s=2"))
-    lanes.sl.max_staleness = -1  # every chunk is too stale (not a valid config; the test forces it)
+    for lane in (lanes.lanes.sampling, lanes.lanes.gradient):  # every chunk is too stale (not a valid
+        lane.cfg.max_staleness = -1  # config; the test forces it on the lanes)
     t0 = time.monotonic()
-    # Admission holds the rollouts back for _THROTTLE_S (no weights fresh enough), then they
+    # Admission holds the rollouts back for THROTTLE_S (no weights fresh enough), then they
     # sample anyway, and the learner drops what arrives.
     with pytest.raises(LaneError, match=r"no usable trajectory chunk for 2s .*dropped_stale=[1-9]"):
         lanes.run()
@@ -589,7 +590,7 @@ def test_three_process_run_learns_over_real_planes(tmp_path):
 def test_two_learner_ranks_average_gradients_and_finish(tmp_path):
     """Learner ranks 0 and 1 (both also sampling) and a rollout-only rank 2: chunks are
     routed per learner, gradients all-reduced between the learners, and the run ends. Both
-    learners issue their collectives in one order (swimlane/ordering.py): update v's
+    learners issue their collectives in one order (swimlane/agreement/ordering.py): update v's
     all-reduces, then the broadcast of v when v is published, then update v + 1."""
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",

@@ -121,7 +121,7 @@ def test_action_tokens_cameras_and_lora_travel_under_torchrun(tmp_path):
 
 def test_an_action_token_outside_the_vocabulary_is_rejected():
     from dvla.rollout import collect_episodes
-    from swimlane.validate import ChunkSpec, check_chunk
+    from swimlane.lanes.validate import ChunkSpec, check_chunk
 
     env, policy = _policy()
     batch = collect_episodes(env, policy, 3)

@@ -25,9 +25,9 @@ import zmq.auth
 from planes.config import DataPlaneConfigError
 from planes.data import DataPlaneConfig, TrajectoryReceiver, TrajectorySender
 from planes.serial import encode
-from swimlane.chunks import END_KIND, RemoteChunkSource
-from swimlane.health import check_senders
-from swimlane.ledger import Ledger
+from swimlane.lanes.chunks import END_KIND, RemoteChunkSource
+from swimlane.observation.health import check_senders
+from swimlane.observation.ledger import Ledger
 
 CTX = mp.get_context("spawn")
 FAST = dict(heartbeat_s=0.1, peer_timeout_s=1.5)
@@ -278,6 +278,7 @@ def test_finite_but_absurd_values_are_rejected_before_any_update(tmp_path, what,
     """Finite values pass the NaN/inf check; a reward of 3e38 overflowed PPO's returns and
     three such chunks stopped the run. Now each is rejected (``rejected_range``), the log
     names the sender and the reason, and no update is spoiled."""
+    from ranks import rewire
     from test_poison import Poisoner, _set, cfg_for
 
     from swimlane import Swimlane
@@ -285,7 +286,8 @@ def test_finite_but_absurd_values_are_rejected_before_any_update(tmp_path, what,
     name, value, reason = ABSURD[what]
     lanes = Swimlane(cfg_for(tmp_path, "run", "algo.name=ppo", "policy.options.value_head=true",
                              "swimlane.max_bad_updates=2"))
-    lanes.sink = lanes.source = Poisoner(lanes.source, _set(name, lambda t: torch.full_like(t, value)))
+    chunks = Poisoner(lanes.parts.source, _set(name, lambda t: torch.full_like(t, value)))
+    rewire(lanes, sink=chunks, source=chunks)
     with caplog.at_level(logging.ERROR, logger="dvla"):
         summary = lanes.run()
     assert summary["version"] == 4 and summary["rejected_range"] == 4, summary

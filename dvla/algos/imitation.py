@@ -61,7 +61,7 @@ class ImitationLearner(Algorithm):
 
     def prepare(self, sharded: bool, policy_name: str) -> None:
         """What the RL learner becomes once its starting state is in place (as
-        ``swimlane.build.prepare_learner``): activation checkpointing
+        ``swimlane.assembly.build.prepare_learner``): activation checkpointing
         (``algo.activation_checkpointing``), then FSDP2 shards over every rank."""
         if self.cfg.activation_checkpointing:
             try:

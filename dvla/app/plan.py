@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from launch.cluster_model import BUCKET_BYTES, SHOW_PLACEMENT_MAX_RANKS, parse_count, parse_nodes, plan
+from launch.cluster_model import BUCKET_BYTES, SHOW_PLACEMENT_MAX_RANKS, estimate, parse_count, parse_nodes
 from launch.placement import format_placement
 from launch.plan_text import format_assumptions, format_memory, format_table
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         nodes = parse_nodes(args.nodes)
         params = parse_count(args.params)
-        reports = [plan(n, args.gpus_per_node, params, args.dtype_bytes, args.learner_fraction, args.net_gbps,
+        reports = [estimate(n, args.gpus_per_node, params, args.dtype_bytes, args.learner_fraction, args.net_gbps,
                         args.local_gbps, args.latency_us, colocate=args.colocate,
                         bucket_bytes=args.bucket_mb * 2**20, samples_per_node_s=args.samples_per_node_s,
                         batch_per_node=args.batch_per_node, update_s=args.update_s) for n in nodes]

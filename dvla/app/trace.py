@@ -1,5 +1,5 @@
 """``dvla trace``: lane utilisation and a swimlane Gantt chart per rank of a run's trace
-(:mod:`swimlane.trace`)."""
+(:mod:`swimlane.observation.trace`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    from swimlane.trace import draw_gantt, load_trace, utilization
+    from swimlane.observation.trace import draw_gantt, load_trace, utilization
 
     p = argparse.ArgumentParser(prog="dvla trace", description="Per-lane utilisation and idle time of a "
                                 "run's swimlane trace(s), and a Gantt chart PNG per rank.")

@@ -107,9 +107,9 @@ def parse_config(argv: list[str] | None = None, prog: str = "python -m dvla.laun
 
 
 def rank_plans(cfg, which: str = "all") -> str:
-    """``--print-rank``: the plans (:mod:`swimlane.plan`) of the ranks ``which`` names."""
-    from swimlane.build import check_world
-    from swimlane.plan import format_plan, plans_for
+    """``--print-rank``: the plans (:mod:`swimlane.assembly.plan`) of the ranks ``which`` names."""
+    from swimlane.assembly.build import check_world
+    from swimlane.assembly.plan import format_plan, plans_for
 
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if cfg.swimlane.topology:
@@ -157,7 +157,8 @@ def human_summary(summary: dict[str, Any], run_dir: str | os.PathLike) -> str:
 
 def preempted_line(lanes, summary: dict[str, Any]) -> str:
     """After a SIGTERM: where the run can be continued from."""
-    ckpts = lanes.ckpt.list() if getattr(lanes, "ckpt", None) is not None else []
+    checkpoints = lanes.parts.checkpoints
+    ckpts = checkpoints.manager.list() if checkpoints is not None else []
     where = f"checkpoint {ckpts[-1]}" if ckpts else "no checkpoint (nothing to resume)"
     return (f"stopped by SIGTERM at update {summary.get('version', 0)}: {where}; continue with --resume "
             f"(run.out_dir={Path(lanes.out_dir).parent})")

@@ -50,7 +50,7 @@ class SwimlaneConfig:
     """A rollout rank whose env steps per second of sampling per env group fall below
     ``1/straggler_factor`` of the median rank's is a straggler: the learners name it in the
     metrics (``stragglers``, ``speed/rank<N>``), the log and the summary
-    (:mod:`swimlane.balance`)."""
+    (:mod:`swimlane.adaptation.balance`)."""
     balance_window_s: float = bounded(10.0, gt=0)
     """The window over which the learners measure each rollout rank and env group."""
     rebalance: bool = False
@@ -72,7 +72,7 @@ class SwimlaneConfig:
     counted (``dropped_stale``), and ``chunks_reissued`` counts the batches sampled again."""
     roles: Literal["fixed", "adaptive"] = "fixed"
     """``adaptive``: ranks move between rollout and learning while the run runs (async
-    mode, threads, ``learner_ranks`` >= 2, colocated, unsharded; :mod:`swimlane.roles`).
+    mode, threads, ``learner_ranks`` >= 2, colocated, unsharded; :mod:`swimlane.adaptation.roles`).
     Rank 0 always learns; the other learner ranks start sampling. When rank 0's learner
     waits for chunks less than ``role_low`` of its time (learning is the bottleneck), the
     next one stops sampling and joins the learners; above ``role_high`` (the rollouts are),

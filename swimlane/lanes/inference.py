@@ -11,12 +11,12 @@ from typing import Callable
 import torch
 
 from dvla.types import cat_observations
-from swimlane.channels import Channel
+from swimlane.lanes.channels import Channel
 from swimlane.lanes.messages import Reply, Request
 from swimlane.lanes.turns import Turns
-from swimlane.streams import LaneStream, tensors_of
-from swimlane.trace import Tracer
-from swimlane.weights import DoubleBufferedWeights
+from swimlane.lanes.streams import LaneStream, tensors_of
+from swimlane.observation.trace import Tracer
+from swimlane.lanes.weights import DoubleBufferedWeights
 
 
 class InferenceLane:
@@ -32,7 +32,7 @@ class InferenceLane:
     def __init__(self, *, requests: Channel[Request], replies: Channel[Reply], weights: DoubleBufferedWeights,
                  generator: torch.Generator, tracer: Tracer, batch_all: bool, pool=None, poll_s: float = 0.05,
                  stream: LaneStream | None = None, groups: int | Callable[[], int] = 1, turns: Turns | None = None):
-        """``stream``: the CUDA stream its forward passes run on (swimlane/streams.py);
+        """``stream``: the CUDA stream its forward passes run on (swimlane/lanes/streams.py);
         ``groups``: the env groups that send requests (at most one each is pending), or a
         function giving how many step now (a wait for more never outlasts them);
         ``turns``: the rank's switch between overlapping lanes and taking turns."""

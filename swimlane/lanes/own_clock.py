@@ -5,7 +5,7 @@ episodes) as soon as it ends, and a :class:`dvla.rollout.episodes.StreamRecorder
 ended episodes. In sync mode a group's turn in a round lasts until it has sent one chunk;
 the episodes it runs then wait for its next turn.
 
-In async mode admission (weights version against the chunks sent, :mod:`swimlane.admission`)
+In async mode admission (weights version against the chunks sent, :mod:`swimlane.lanes.admission`)
 is asked when a new episode would open a chunk: while that chunk would reach the learner
 more than ``max_staleness`` versions after these weights, the env holds its restarts (ended
 envs wait) and the episodes that run go on, so what the group holds does not grow stale

@@ -4,7 +4,7 @@ episodes and sends each finished batch of episodes (a chunk) to the learner.
 Every env group has its own state (:class:`GroupState`): its recorder, its buffer lease,
 the number of chunks it has sent. In async mode each group's next request is in flight
 while another group simulates; a group starts a new batch of episodes only when the
-weights are fresh enough for the learner to accept its data (:mod:`swimlane.admission`).
+weights are fresh enough for the learner to accept its data (:mod:`swimlane.lanes.admission`).
 In sync mode the groups run one after the other in rounds, each round on the weights
 learned from the one before.
 
@@ -27,14 +27,14 @@ from dvla.rollout.episodes import ChunkRecorder, StreamRecorder
 from dvla.rollout.segments import SegmentRecorder
 from dvla.rollout import EpisodeRecorder
 from swimlane.lanes.own_clock import OwnClock
-from swimlane.admission import Admission
-from swimlane.channels import Channel, Chunk
-from swimlane.health import FailureBudget
+from swimlane.lanes.admission import Admission
+from swimlane.lanes.channels import Channel, Chunk
+from swimlane.observation.health import FailureBudget
 from swimlane.lanes.messages import Reply, Request
 from swimlane.lanes.turns import Turns
-from swimlane.ledger import Ledger
-from swimlane.trace import Tracer
-from swimlane.weights import DoubleBufferedWeights
+from swimlane.observation.ledger import Ledger
+from swimlane.observation.trace import Tracer
+from swimlane.lanes.weights import DoubleBufferedWeights
 
 log = logging.getLogger("dvla.swimlane")
 
@@ -246,7 +246,7 @@ class SamplingLane:
 
     def offer_plan(self, share: float | None, active: int | None, anchor: bool = False) -> None:
         """From another thread: a rebalancing plan's share of this rank (admission) and env
-        groups that step (0: the rank learns now, :mod:`swimlane.roles`), applied by the
+        groups that step (0: the rank learns now, :mod:`swimlane.adaptation.roles`), applied by the
         lane's own thread before its next unit of work. ``anchor``: the rank's chunks go to
         another learner now: admission counts from the newest weights on."""
         self.plan = (share, active, anchor or bool(self.plan and self.plan[2]))

@@ -75,7 +75,7 @@ def load_summaries(run: Path) -> dict[int, dict]:
 
 def load_traces(run: Path, notes: list[str]) -> dict[int, tuple[dict, list[Span]]]:
     """``{rank: (meta, spans)}`` from ``trace.json`` and ``trace_rank{N}.json``."""
-    from swimlane.trace import load_trace
+    from swimlane.observation.trace import load_trace
 
     out: dict[int, tuple[dict, list[Span]]] = {}
     for f in sorted(run.glob("trace*.json")):

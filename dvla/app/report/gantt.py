@@ -76,8 +76,8 @@ def gantt_window(aligned: dict[int, list[Span]], updates: int = GANTT_UPDATES) -
 
 def plot_gantt(traces: dict[int, tuple[dict, list[Span]]], out: Path, notes: list[str] | None = None) -> dict:
     """``gantt.png``: one block of lane rows per rank over :func:`gantt_window`. Returns
-    :func:`swimlane.trace.draw_swimlanes`'s dict plus ``ranks`` (those drawn)."""
-    from swimlane.trace import draw_swimlanes
+    :func:`swimlane.observation.trace.draw_swimlanes`'s dict plus ``ranks`` (those drawn)."""
+    from swimlane.observation.trace import draw_swimlanes
 
     aligned = align_traces(traces, notes)
     if not aligned:

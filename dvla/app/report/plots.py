@@ -126,13 +126,13 @@ def plot_staleness(rows, out: Path) -> Path:
 
 def lane_order(util: dict) -> dict:
     """The four pipeline lanes in pipeline order, then any others as found."""
-    from swimlane.trace import LANES
+    from swimlane.observation.trace import LANES
 
     return {ln: util[ln] for ln in [*[x for x in LANES if x in util], *[x for x in util if x not in LANES]]}
 
 
 def plot_lanes(traces, out: Path) -> Path:
-    from swimlane.trace import LANES, utilization
+    from swimlane.observation.trace import LANES, utilization
 
     utils = {rank: utilization(spans) for rank, spans in traces.items() if spans}
     if not utils:
@@ -263,7 +263,7 @@ def plot_memory(rows: list[dict], summaries: dict[int, dict], out: Path) -> dict
 
 
 def plot_autotune(rows, out: Path) -> Path:
-    """swimlane.autotune's knobs per update over wall time (one step line each), with the
+    """swimlane.adaptation.autotune's knobs per update over wall time (one step line each), with the
     throughput per update behind them: what the resource manager chose, and when."""
     t = wall_time(rows)
     knobs = sorted({k for r in rows for k in r if k.startswith("autotune_") and k != "autotune_decisions"})
@@ -289,7 +289,7 @@ def plot_autotune(rows, out: Path) -> Path:
 
 
 def plot_balance(rows, out: Path) -> Path:
-    """The rollout ranks over wall time (:mod:`swimlane.balance`): each one's speed (env steps
+    """The rollout ranks over wall time (:mod:`swimlane.adaptation.balance`): each one's speed (env steps
     per second of sampling per env group), and with ``swimlane.rebalance`` the env groups that
     step on it and its share of its learner's chunks, as the plans set them."""
     t = wall_time(rows)
@@ -317,7 +317,7 @@ def plot_balance(rows, out: Path) -> Path:
 
 
 def plot_roles(rows, out: Path) -> Path:
-    """Adaptive roles over wall time (:mod:`swimlane.roles`): which ranks learn, the env
+    """Adaptive roles over wall time (:mod:`swimlane.adaptation.roles`): which ranks learn, the env
     groups that step on each rank (0 on a rank that moved to the learners), and the learners'
     share of time waiting for chunks that the planner decides on."""
     t = wall_time(rows)

@@ -23,7 +23,7 @@ def _mib(nbytes: Any) -> str:
 
 def summary_text(run: Path, rows: list[dict], summaries: dict[int, dict], traces: dict[int, list],
                   config: dict, pngs: list[Path], skipped: list[str], notes: list[str]) -> str:
-    from swimlane.trace import utilization
+    from swimlane.observation.trace import utilization
 
     s0 = summaries.get(0, {})
     lines = [f"dvla run report: {run}"]
@@ -128,7 +128,7 @@ def summary_text(run: Path, rows: list[dict], summaries: dict[int, dict], traces
     else:
         lines.append("chunk accounting: n/a (not in summary.json)")
 
-    # rollout ranks (swimlane/balance.py)
+    # rollout ranks (swimlane/adaptation/balance.py)
     bal = s0.get("balance") or {}
     if len(bal.get("by_rank") or {}) > 1:
         speeds = ", ".join(f"rank {r} {_fmt(num(d.get('steps', 0)) / num(d['sample_s']), '.0f')}"

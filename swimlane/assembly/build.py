@@ -2,8 +2,8 @@
 its process groups, its env groups, policy and algorithm and the normalisation they act
 with, its weight buffers (double-buffered replicas, snapshot, broadcaster) and its ends of
 the data plane.
-Functions of the config and the rank's plan (:mod:`swimlane.plan`);
-:func:`swimlane.assemble.assemble` calls them in order."""
+Functions of the config and the rank's plan (:mod:`swimlane.assembly.plan`);
+:func:`swimlane.assembly.parts.assemble` calls them in order."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dvla.algos import build_algorithm
 from dvla.config import ConfigError, JobConfig, SwimlaneConfig
+from memory.config import MemoryConfig
 from dvla.distributed import allreduce_mean_grads, broadcast_json
 from dvla.envs import env_spec, make_env
 from dvla.state.init_weights import check_normalization, load_init, resumed_normalization
@@ -30,12 +31,12 @@ from dvla.rollout import cameras_of
 from dvla.distributed.sharding import checkpoint_activations, shard_learner
 from launch.placement import Placement, format_placement, place
 from launch.topology import Topology, describe, discover, from_spec, local_topology
-from memory import BudgetError, MemoryManager, TransientPool, parse_budget, runtime
+from memory import BudgetError, MemoryManager, TransientPool, parse_budget
 from planes.addresses import AddressError
 from planes.buckets import flat_buckets, frozen_names, layout_copy, meta_alloc
 from planes.config import DataPlaneConfigError
 from planes.keys import load_client_keys
-from planes.control import WeightBroadcaster, backend_for, hierarchical_stages, new_control_group
+from planes.control import WeightBroadcaster, hierarchical_stages, new_control_group
 from planes.serial import DTYPES as SERIAL_DTYPES
 from planes.data import (
     DataPlaneConfig,
@@ -43,9 +44,10 @@ from planes.data import (
     TrajectorySender,
     lookup_endpoints,
 )
-from swimlane.plan import RankPlan
-from swimlane.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, RoutedSink
-from swimlane.weights import DoubleBufferedWeights
+from swimlane.assembly.plan import Broadcast, Chunks, Groups as PlannedGroups, Pools, RankPlan, Route, Stream
+from swimlane.lanes.streams import LaneStream
+from swimlane.lanes.chunks import LocalChunks, RemoteChunkSink, RemoteChunkSource, RoutedSink
+from swimlane.lanes.weights import DoubleBufferedWeights
 
 log = logging.getLogger("dvla.swimlane")
 
@@ -90,22 +92,31 @@ def place_ranks(sl: SwimlaneConfig, rank: int, world: int) -> tuple[Topology, Pl
     return topo, placement
 
 
-def build_memory(cfg: JobConfig, device: torch.device) -> tuple[MemoryManager | None, TransientPool | None]:
-    """The two pools (or none with ``memory.enabled=false``) and the pool rollout buffers
-    come from: host memory, since they go to the data plane from there (pinned on a CUDA run,
-    so that :class:`dvla.rollout.EpisodeRecorder` copies into it without waiting)."""
-    if not cfg.memory.enabled:
+def build_memory(pools: Pools, cfg: MemoryConfig, device: torch.device) -> tuple[MemoryManager | None,
+                                                                             TransientPool | None]:
+    """The pools the plan names (none with ``memory.enabled=false``) and the pool rollout
+    buffers come from: the transient pool, or host memory of its own where the plan says so
+    (pinned on a CUDA run, so that :class:`dvla.rollout.EpisodeRecorder` copies into it
+    without waiting), since the buffers go to the data plane from there."""
+    if pools.persistent is None:
         return None, None
     try:  # checked at config time on the CPU; a fraction resolves per device here
-        memory = MemoryManager(device, cfg.memory.persistent_budget, cfg.memory.transient_budget)
+        memory = MemoryManager(device, cfg.persistent_budget, cfg.transient_budget)
         host_pool = memory.transient
-        if runtime.current().accelerated:
-            host_pool = TransientPool("cpu", parse_budget(cfg.memory.transient_budget, "cpu",
-                                                          "memory.transient_budget"), name="transient_host",
-                                      pin_memory=True)  # device copies need not wait
+        if pools.host is not None:
+            host_pool = TransientPool("cpu", parse_budget(cfg.transient_budget, "cpu", "memory.transient_budget"),
+                                      name="transient_host", pin_memory="pinned" in pools.host)
     except BudgetError as exc:
         raise ConfigError(str(exc)) from None
     return memory, host_pool
+
+
+def build_streams(streams: tuple[Stream, ...], device: torch.device) -> dict[str, LaneStream]:
+    """A :class:`LaneStream` for the inference and the gradient lane: a CUDA stream of its own
+    where the plan names one, else the current stream."""
+    planned = {s.lane: s for s in streams}
+    return {lane: LaneStream(device, lane in planned, high_priority=lane in planned and planned[lane].high_priority)
+            for lane in ("inference", "gradient")}
 
 
 def memory_metrics(memory: MemoryManager | None, host_pool: TransientPool | None) -> dict[str, float]:
@@ -136,19 +147,21 @@ class Groups:
     stages: Any = None  # the hierarchical broadcast's stages (None: flat)
 
 
-def build_groups(sl: SwimlaneConfig, world: int, placement: Placement, device: torch.device) -> Groups:
-    """The run's process groups. Every rank creates every group, in the same order. Weight
-    traffic uses the backend of the run's device (NCCL on CUDA, gloo on the CPU); the
-    learners' group takes the default group's (on CUDA both: CPU tensors go over gloo)."""
-    if world == 1:
+def build_groups(plan: PlannedGroups | None, timeout_s: float, device: torch.device) -> Groups:
+    """The process groups the plan names, created by every rank in the same order: the
+    learners' (it takes the default group's backends: on CUDA both, CPU tensors go over gloo),
+    the control plane's and the staged broadcast's (the plan's backend: NCCL for weights on
+    CUDA, gloo on the CPU)."""
+    if plan is None:
         return Groups()
-    timeout = timedelta(seconds=sl.collective_timeout_s)  # the default group's, from the config too
-    learner = dist.new_group(placement.learners, timeout=timeout)
-    backend = "gloo" if sl.collective_backend == "gloo" else backend_for(device)
-    control = new_control_group(device=device, timeout=timeout, backend=backend)
-    tree, stages = placement.tree, None
-    if sl.hierarchical_broadcast and len(tree.leaders) > 1:
-        stages = hierarchical_stages(tree.leaders, tree.local_groups, tree.source, backend=backend, timeout=timeout)
+    timeout = timedelta(seconds=timeout_s)  # the default group's, from the config too
+    learner = dist.new_group(list(plan.learners), timeout=timeout)
+    control = new_control_group(device=device, timeout=timeout, backend=plan.backend)
+    stages = None
+    if plan.stages is not None:
+        s = plan.stages
+        stages = hierarchical_stages(list(s.leaders), [list(g) for g in s.local_groups], s.source,
+                                     backend=plan.backend, timeout=timeout)
     return Groups(learner, control, stages)
 
 
@@ -211,7 +224,7 @@ def build_model(cfg: JobConfig, plan: RankPlan, device: torch.device, groups: Gr
             flat_buckets(policy, alloc=persistent_alloc(memory), tag="policy")
         # Replicas in another precision than the learner's: every step's proximal log-prob is
         # recomputed, so the clipped ratio is 1 at unchanged weights (dvla/algos/base.py).
-        behaviour = torch.bfloat16 if plan.publish_dtype == "bf16" else torch.float32
+        behaviour = torch.bfloat16 if plan.broadcast.dtype == "bf16" else torch.float32
         algo = build_algorithm(cfg.algo, policy, sync, behaviour_dtype=behaviour, horizon=cfg.run.iterations,
                                group=groups.learner if sync is not None else None)
         if pooled:
@@ -229,7 +242,7 @@ def share_normalization(cfg: JobConfig, model: Model, rank: int, world: int, res
     the default group (another host need not see rank 0's files). Every rank installs it on
     its policy and the KL reference, so that its replicas (copies of the policy) act with it;
     a resume whose record is damaged stops every rank with rank 0's one-line error. Run by
-    every rank, after the learners resumed and agreed (:func:`swimlane.assemble.assemble`)."""
+    every rank, after the learners resumed and agreed (:func:`swimlane.assembly.parts.assemble`)."""
     text = error = None
     if rank == 0:
         try:
@@ -279,8 +292,9 @@ class WeightBuffers:
     bc: WeightBroadcaster | None  # the control plane (None in one process)
 
 
-def build_weights(policy, plan: RankPlan, control_group, stages, alloc, header_words: int = 0) -> WeightBuffers:
-    """The weight buffers ``plan.weights`` names, all laid out in flat buckets (from the
+def build_weights(policy, plan: Broadcast, world: int, control_group, stages, alloc,
+                  header_words: int = 0) -> WeightBuffers:
+    """The weight buffers ``plan.buffers`` names, all laid out in flat buckets (from the
     persistent pool when memory is managed), their floating-point tensors in the publish
     dtype: inference replicas (double-buffered) on a rank that rolls out, the learner's
     snapshot on rank 0, and the broadcaster. The policy's frozen parameters go over the
@@ -288,27 +302,27 @@ def build_weights(policy, plan: RankPlan, control_group, stages, alloc, header_w
     (``relay``) holds the layout only and relays each version bucket by bucket
     (:meth:`WeightBroadcaster.relay_buckets`). ``header_words``: what travels with each
     version number (the rebalancing plan)."""
-    dtype = torch.bfloat16 if plan.publish_dtype == "bf16" else torch.float32
+    dtype = torch.bfloat16 if plan.dtype == "bf16" else torch.float32
     bcast = partial(WeightBroadcaster, src=0, group=control_group, stages=stages, frozen=frozen_names(policy),
                     header_words=header_words)
 
     def copy_of(model):
         return copy.deepcopy(model).requires_grad_(False).to(dtype)
 
-    if plan.weights == "relay":  # the layout only, on the meta device
+    if plan.buffers == "relay":  # the layout only, on the meta device
         bc = bcast(layout_copy(policy, dtype), alloc=meta_alloc, device=next(policy.parameters()).device)
         return WeightBuffers(None, None, None, bc)
-    if plan.weights == "snapshot":
+    if plan.buffers == "snapshot":
         snapshot = copy_of(policy)
         bc = bcast(snapshot, alloc=alloc)
         return WeightBuffers(None, snapshot, [b.flat for b in bc.buckets], bc)
     replicas = [copy_of(policy) for _ in range(2)]
-    if plan.world_size == 1:
+    if world == 1:
         snapshot = copy_of(policy)
         snap_flats = flat_buckets(snapshot, alloc=alloc, tag="snapshot")
         flats = [flat_buckets(r, alloc=alloc, tag=f"replica{i}") for i, r in enumerate(replicas)]
         return WeightBuffers(DoubleBufferedWeights(replicas, flats), snapshot, snap_flats, None)
-    if plan.weights == "replicas+snapshot":
+    if plan.buffers == "replicas+snapshot":
         snapshot = copy_of(policy)
         bc = bcast(snapshot, alloc=alloc)
         flats = [bc.bind_replica(r, tag=f"replica{i}") for i, r in enumerate(replicas)]
@@ -318,43 +332,37 @@ def build_weights(policy, plan: RankPlan, control_group, stages, alloc, header_w
     return WeightBuffers(DoubleBufferedWeights(replicas, flats), None, None, bc)
 
 
-def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: int, placement: Placement,
-                     topology: Topology, limits: tuple[int, int] | None = None, fields: dict | None = None,
-                     routes: dict[int, int] | None = None):
-    """``(source, sink, expected_senders)``: a local queue in one process; otherwise every
-    learner rank binds a receiver (its tcp endpoint where its senders on other hosts can
-    reach it) and each rollout rank sends to the learner (and over the transport) its
-    placement says (``routes``, when given, override the placement's). With adaptive roles
-    (``sl.roles``) every rollout rank has a sender to every learner rank and a
-    :class:`swimlane.chunks.RoutedSink` picks one per chunk; every learner then expects
-    every rollout rank. ``limits``: the largest legal message and frame of this job
-    (:meth:`swimlane.validate.ChunkSpec.message_limits`); the receiver refuses bigger ones
-    (never above what ``dp`` allows). ``fields``: the further tensors every chunk carries
-    (:meth:`swimlane.validate.ChunkSpec.optional_fields`)."""
-    if world == 1:
-        chunks = LocalChunks(sl.queue_size)
+def build_data_plane(plan: Chunks, dp: DataPlaneConfig, rank: int, queue_size: int,
+                     limits: tuple[int, int] | None = None, fields: dict | None = None):
+    """``(source, sink, expected_senders)`` as the plan says: a local queue in one process;
+    otherwise a learner binds a receiver (its tcp endpoint where its senders on other hosts
+    can reach it) and a rollout rank has a sender per route, over the route's transport. With
+    several routes (adaptive roles) a :class:`swimlane.lanes.chunks.RoutedSink` picks one per
+    chunk, the plan's first at the start. ``limits``: the largest legal message and frame of
+    this job (:meth:`swimlane.lanes.validate.ChunkSpec.message_limits`); the receiver refuses
+    bigger ones (never above what ``dp`` allows). ``fields``: the further tensors every chunk
+    carries (:meth:`swimlane.lanes.validate.ChunkSpec.optional_fields`)."""
+    if plan.local:
+        chunks = LocalChunks(queue_size)
         return chunks, chunks, []
     store = dist.distributed_c10d._get_default_store()
-    adaptive = sl.roles == "adaptive"
-    routes = routes or placement.routes
     source = sink = None
     expected: list[str] = []
-    if rank in placement.learners:
+    if plan.senders:
         bounds = {}
         if limits is not None:
             bounds = {"max_message_bytes": min(dp.max_message_bytes, limits[0]),
                       "max_frame_bytes": min(dp.max_frame_bytes or dp.max_message_bytes, limits[1])}
-        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": sl.queue_size, **bounds})
-        senders = placement.rollout if adaptive else placement.senders_of(rank)
-        elsewhere = any(topology.host_of(r) != topology.host_of(rank) for r in senders)
+        dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": queue_size, **bounds})
         try:
-            receiver = TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{rank}", peers_elsewhere=elsewhere,
+            receiver = TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{rank}",
+                                          peers_elsewhere=plan.senders_elsewhere,
                                           rendezvous=os.environ.get("MASTER_ADDR"))
         except (AddressError, DataPlaneConfigError) as exc:
             raise ConfigError(str(exc)) from None
         source = RemoteChunkSource(receiver, fields)
-        expected = [f"rank{r}" for r in senders]
-    if rank in placement.rollout:
+        expected = [f"rank{r}" for r in plan.senders]
+    if plan.routes:
         keys = None
         if dp.curve and dp.curve_keys_dir:
             try:
@@ -362,18 +370,12 @@ def build_data_plane(sl: SwimlaneConfig, dp: DataPlaneConfig, rank: int, world: 
             except DataPlaneConfigError as exc:
                 raise ConfigError(str(exc)) from None
 
-        def sink_to(learner: int) -> RemoteChunkSink:
-            endpoints = lookup_endpoints(store, key=f"dvla/data/{learner}")
-            # The placement's transport on its own route; on the others, ipc within a host.
-            same_host = topology.same_host(learner, rank)
-            auto = placement.transports[rank] if learner == placement.routes[rank] else "ipc" if same_host else "tcp"
-            transport = dp.transport if dp.transport != "auto" else auto  # a forced one wins
-            dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": transport})
+        def sink_to(route: Route) -> RemoteChunkSink:
+            endpoints = lookup_endpoints(store, key=f"dvla/data/{route.learner}")
+            dp_cfg = DataPlaneConfig(**{**dp.__dict__, "transport": route.transport})
             return RemoteChunkSink(TrajectorySender(endpoints, dp_cfg, sender_id=f"rank{rank}", client_keys=keys),
-                                   learner)
+                                   route.learner)
 
-        if adaptive:
-            sink = RoutedSink({learner: sink_to(learner) for learner in placement.learners}, routes[rank])
-        else:
-            sink = sink_to(routes[rank])
+        sinks = {route.learner: sink_to(route) for route in plan.routes}
+        sink = RoutedSink(sinks, plan.first) if len(sinks) > 1 else sinks[plan.first]
     return source, sink, expected

@@ -4,7 +4,7 @@ A chunk is one env group's batch of episodes (a :class:`RolloutBatch`) plus a li
 metadata (producing rank and group, a per-sender sequence number). In one process it
 goes through a bounded in-process queue; across processes over the ZeroMQ data plane
 (:mod:`planes.data`), where each tensor is a zero-copy frame. Both sides of both paths
-are channels of :class:`swimlane.channels.Chunk` ``(batch, meta, on_done)``
+are channels of :class:`swimlane.lanes.channels.Chunk` ``(batch, meta, on_done)``
 (``put(chunk, stop)``, ``get(timeout)``), and a sink also has ``end(meta)``: this sender
 is done. ``on_done`` (optional) is called once the chunk's memory is no longer needed: by the learner after its update in one process, by
 the data plane once ZeroMQ has sent the frames across processes. The swimlane uses it
@@ -23,8 +23,8 @@ import torch
 
 from dvla.types import NESTED, RolloutBatch
 from planes.data import TrajectoryReceiver, TrajectorySender
-from swimlane.channels import Chunk, LocalChannel
-from swimlane.ledger import chunk_accounting
+from swimlane.lanes.channels import Chunk, LocalChannel
+from swimlane.observation.ledger import chunk_accounting
 
 CHUNK_KIND = "chunk"
 END_KIND = "end"
@@ -43,7 +43,7 @@ def batch_from_tensors(tensors: dict[str, torch.Tensor],
     """Check names, dtypes and shapes of received tensors and build the batch. ``fields``:
     the job's further tensors, name -> (dtype, shape per step and env): the policy's cameras
     (``cameras.<name>``) and rollout extras (``extras.<name>``), each ``(T, B, *shape)``
-    (:meth:`swimlane.validate.ChunkSpec.optional_fields`)."""
+    (:meth:`swimlane.lanes.validate.ChunkSpec.optional_fields`)."""
     fields = fields or {}
     names = FIELDS.keys() | fields.keys()
     missing = names - tensors.keys()
@@ -103,7 +103,7 @@ class RemoteChunkSink:
 
 
 class RoutedSink:
-    """Rollout side with adaptive roles (:mod:`swimlane.roles`): a sender to every learner
+    """Rollout side with adaptive roles (:mod:`swimlane.adaptation.roles`): a sender to every learner
     candidate, each chunk to the learner the plan names now. Each learner is told, at the
     end, how many chunks it was sent."""
 
@@ -184,7 +184,7 @@ class RemoteChunkSource:
         return self.receiver.depth()
 
     def accounting(self, counters: dict[str, int], expected: list[str]) -> dict[str, int]:
-        """Where every chunk sent to this learner went (:func:`swimlane.ledger.chunk_accounting`),
+        """Where every chunk sent to this learner went (:func:`swimlane.observation.ledger.chunk_accounting`),
         ``expected``: the senders routed here."""
         return chunk_accounting(counters, local=False, invalid=self.invalid, ended=self.ended,
                                 reported=self.receiver.reported_sent, received=self.received,

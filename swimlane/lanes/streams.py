@@ -12,7 +12,7 @@ stream at the end of it (only the lane's own thread waits; the other stream keep
 Tensors a lane hands over are marked as used by the consumer's stream
 (:meth:`LaneStream.hand_over`), so that the caching allocator does not give their memory
 to the producer again while the consumer still reads it. Weights written into a standby
-replica are complete before it is marked ready (:class:`swimlane.weights.DoubleBufferedWeights`).
+replica are complete before it is marked ready (:class:`swimlane.lanes.weights.DoubleBufferedWeights`).
 On the CPU (or with the option off) all of this is a no-op.
 """
 
@@ -27,20 +27,21 @@ from memory import runtime
 
 
 class LaneStream:
-    def __init__(self, device: torch.device, enabled: bool = True, priority: int = 0):
-        """``priority``: stream priority, lower runs first (torch offers -1 and 0 on most
-        GPUs). Streams come from the rank's device runtime (memory/runtime.py): none on the
-        CPU."""
+    def __init__(self, device: torch.device, enabled: bool = True, high_priority: bool = False):
+        """``high_priority``: the stream runs at the device's highest priority (else its
+        lowest, the default). The range differs by GPU: (0, -1) on many, (0, -5) on Hopper, so
+        the two ends are asked of the runtime rather than named. Streams come from the rank's
+        device runtime (memory/runtime.py): none on the CPU."""
         self.device = device
         self.rt = runtime.for_device(device)
         self.stream = None
         self._streams: dict = {}  # high priority? -> stream
+        self._high = False
         if enabled and self.rt.accelerated:
-            lo, hi = self.rt.priority_range()  # (0, -n): lower is higher priority
-            self.stream = self.rt.new_stream(max(min(priority, lo), hi))
-            self._streams[max(min(priority, lo), hi) < lo] = self.stream
-            self._lowest, self._highest = lo, hi
-            self._high = max(min(priority, lo), hi) < lo
+            self._lowest, self._highest = self.rt.priority_range()  # (0, -n): lower is higher priority
+            self._high = high_priority and self._highest != self._lowest
+            self.stream = self._streams[self._high] = self.rt.new_stream(
+                self._highest if self._high else self._lowest)
 
     @property
     def can_prioritise(self) -> bool:

@@ -1,13 +1,11 @@
 """A run's checkpoints: what rank 0 saves (weights, the KL reference, optimizer and RNG
 state, counters, config, the policy's normalisation) and what every learner restores on
 ``run.resume`` or after torchrun restarted its group (see :mod:`dvla.state.checkpoint` for the
-files; the normalisation every rank then installs: :func:`swimlane.build.share_normalization`)."""
+files; the normalisation every rank then installs: :func:`swimlane.assembly.build.share_normalization`)."""
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,7 +103,7 @@ def resume_learner(checkpoints: RunCheckpoints, *, resume: bool, restarts: int, 
                    agree_on=None) -> Resumed | None:
     """The learner's starting state: the newest checkpoint when resuming (None: start
     fresh). With several learners ``agree_on(got, error)`` makes them agree on rank 0's
-    (:func:`swimlane.agreement.agree`); a learner other than rank 0 may not see the
+    (:func:`swimlane.agreement.start.agree`); a learner other than rank 0 may not see the
     checkpoints, and rank 0 sends them."""
     got, error = None, None
     try:

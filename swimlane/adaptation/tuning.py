@@ -1,5 +1,5 @@
 """The resource manager's knobs on a rank (``swimlane.autotune``): what each one reads
-and sets on the rank's lanes and threads (:mod:`swimlane.autotune` decides the moves)."""
+and sets on the rank's lanes and threads (:mod:`swimlane.adaptation.autotune` decides the moves)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from dvla.config import SwimlaneConfig
-from swimlane.autotune import Knob, Setting, Tuner
+from swimlane.adaptation.autotune import Knob, Setting, Tuner
 
 log = logging.getLogger("dvla.swimlane")
 

@@ -1,12 +1,12 @@
 """A rank's part in measuring and answering imbalance between rollout ranks
-(:mod:`swimlane.balance` holds the pure parts: the window, the straggler rule, the plan).
+(:mod:`swimlane.adaptation.balance` holds the pure parts: the window, the straggler rule, the plan).
 
 On a learner, :meth:`RankBalance.after_update` sums each rollout rank's window over the
 learners, names the stragglers (metrics, and a log line on rank 0) and, on rank 0 with
 ``swimlane.rebalance`` or ``swimlane.roles=adaptive``, makes the plan the next published
 version carries (:attr:`RankBalance.plan_words`): shares and env groups
-(:class:`swimlane.balance.Rebalancer`), who learns and where chunks go
-(:class:`swimlane.roles.RolePlanner`). On every other rank, :meth:`RankBalance.apply` takes
+(:class:`swimlane.adaptation.balance.Rebalancer`), who learns and where chunks go
+(:class:`swimlane.adaptation.roles.RolePlanner`). On every other rank, :meth:`RankBalance.apply` takes
 a plan from a version header and hands it to the rank (its sampling lane, its sink, its
 learner).
 """
@@ -24,21 +24,23 @@ import torch.distributed as dist
 from dvla.config import SwimlaneConfig
 from launch.placement import Placement
 from memory import runtime
-from swimlane.balance import Plan, Rebalancer, Throughput, equal_shares, stragglers
-from swimlane.roles import RolePlanner, initial_routes
+from swimlane.adaptation.balance import Rebalancer, Rebalancing, equal_shares, stragglers
+from swimlane.observation.throughput import Throughput
+from swimlane.adaptation.roles import RolePlanner
 
 log = logging.getLogger("dvla.swimlane")
 
 
 class RankBalance:
     def __init__(self, sl: SwimlaneConfig, rank: int, world_size: int, placement: Placement,
-                 learner_group=None):
+                 routes: dict[int, int], learner_group=None):
+        """``routes``: every rollout rank's learner at the start (the rank's plan)."""
         self.sl, self.rank, self.world_size, self.learner_group = sl, rank, world_size, learner_group
         self.rollout_ranks, self.learners = placement.rollout, placement.learners
         self.throughput = Throughput(sl.balance_window_s) if rank in placement.learners else None
         self.stragglers: list[int] = []
         self.named: set[int] = set()  # every rank named a straggler so far
-        self.routes = initial_routes(sl, placement)  # rollout rank -> the learner its chunks go to
+        self.routes = dict(routes)  # rollout rank -> the learner its chunks go to
         self.rebalancer = self.roles = None
         if sl.rebalance and rank == 0 and world_size > 1:
             self.rebalancer = Rebalancer(self.routes, sl.env_groups + sl.spare_groups, sl.env_groups,
@@ -47,9 +49,9 @@ class RankBalance:
             self.roles = RolePlanner([r for r in placement.learners if r != 0], placement.rollout, sl.role_low,
                                      sl.role_high, sl.balance_window_s)
         self.planning = sl.rebalance or sl.roles == "adaptive"
-        self.plan_words = Plan().encode(world_size) if self.planning else None  # no plan until measured
+        self.plan_words = Rebalancing().encode(world_size) if self.planning else None  # no plan until measured
 
-    def after_update(self, version: int, apply: Callable[[Plan], None] | None, wait_s: float = 0.0,
+    def after_update(self, version: int, apply: Callable[[Rebalancing], None] | None, wait_s: float = 0.0,
                      learn_s: float = 0.0, consumed: int = 0, published: bool = True) -> dict[str, float]:
         """A learner's metrics after an update: each rollout rank's speed (env steps per second
         of sampling per env group, over the learners' windows) and the stragglers; with a plan,
@@ -104,15 +106,15 @@ class RankBalance:
             if self.rebalancer is not None:
                 self.rebalancer.set_routes(self.routes)
 
-    def _plan(self) -> Plan:
+    def _plan(self) -> Rebalancing:
         """Rank 0's plan for the next version: the rebalancer's shares and env groups (equal
         shares and every group without it), the roles' routes, and no env group on a rank that
         moved to the learners."""
         if self.rebalancer is not None:
             base = self.rebalancer.plan
-            plan = Plan(shares=dict(base.shares), active={r: base.active[r] for r in self.routes})
+            plan = Rebalancing(shares=dict(base.shares), active={r: base.active[r] for r in self.routes})
         else:
-            plan = Plan(shares=equal_shares(self.routes), active={r: self.sl.env_groups for r in self.routes})
+            plan = Rebalancing(shares=equal_shares(self.routes), active={r: self.sl.env_groups for r in self.routes})
         if self.roles is not None:
             plan.routes = dict(self.routes)
             plan.active.update({r: 0 for r in self.roles.learners if r not in self.routes})
@@ -129,11 +131,11 @@ class RankBalance:
             self.named |= first
         self.stragglers = slow
 
-    def apply(self, words: list[int], apply: Callable[[Plan], None]) -> None:
+    def apply(self, words: list[int], apply: Callable[[Rebalancing], None]) -> None:
         """A plan (a version header's words) to the rank's ``apply``; a plan that does not
         decode is logged and ignored."""
         try:
-            plan = Plan.decode(words)
+            plan = Rebalancing.decode(words)
         except ValueError as exc:
             log.error("ignored a rebalancing plan: %s", exc)
             return

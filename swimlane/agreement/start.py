@@ -26,7 +26,7 @@ import torch
 
 from dvla.config import ConfigError
 from dvla.distributed import all_gather_json, broadcast_json, broadcast_tensors, tensor_layout
-from swimlane.checkpointing import Resumed, RunCheckpoints
+from swimlane.agreement.checkpoints import Resumed, RunCheckpoints
 
 log = logging.getLogger("dvla.swimlane")
 

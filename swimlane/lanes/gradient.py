@@ -1,5 +1,5 @@
 """The learner (gradient) lane: collects chunks, rejects those that fail the job's checks
-(:mod:`swimlane.validate`), drops those too stale to learn from, learns from each full
+(:mod:`swimlane.lanes.validate`), drops those too stale to learn from, learns from each full
 set, and hands the result to the run (metrics, checkpoints, snapshots for the publish
 lane) through ``finish_update``.
 
@@ -21,12 +21,12 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from dvla.types import RolloutBatch
-from swimlane.balance import Throughput
-from swimlane.chunks import concat
-from swimlane.health import StallTimer
-from swimlane.ledger import Ledger
-from swimlane.trace import Tracer
-from swimlane.validate import ChunkSpec, check_chunk
+from swimlane.observation.throughput import Throughput
+from swimlane.lanes.chunks import concat
+from swimlane.observation.health import StallTimer
+from swimlane.observation.ledger import Ledger
+from swimlane.observation.trace import Tracer
+from swimlane.lanes.validate import ChunkSpec, check_chunk
 
 log = logging.getLogger("dvla.swimlane")
 
@@ -46,7 +46,7 @@ def _names(ranks) -> str:
 
 
 @dataclass(kw_only=True)
-class LearnerConfig:
+class GradientConfig:
     need: int  # chunks per update
     max_staleness: int
     iterations: int
@@ -69,9 +69,9 @@ class Update:
     wait_s: float = 0.0  # waiting for its chunks
 
 
-class LearnerLane:
+class GradientLane:
     def __init__(self, *, source, algo, generator: torch.Generator, ledger: Ledger, tracer: Tracer,
-                 cfg: LearnerConfig, version: Callable[[], int], finish_update: Callable[[Update], bool],
+                 cfg: GradientConfig, version: Callable[[], int], finish_update: Callable[[Update], bool],
                  check_health: Callable[[StallTimer], None], stall: StallTimer,
                  idle: Callable[[], None] = lambda: None, stop_rollouts: Callable[[], None] = lambda: None,
                  activations: Callable[[], ContextManager] = contextlib.nullcontext,
@@ -82,12 +82,12 @@ class LearnerLane:
         checkpoints and publishes, and returns True after the last update;
         ``check_health(stall)`` raises when the run cannot go on (dead senders, a stall);
         ``idle()`` runs between polls (a skipped snapshot hand-over, say);
-        ``before_update()`` gates the update's collectives (:mod:`swimlane.ordering`), False
+        ``before_update()`` gates the update's collectives (:mod:`swimlane.agreement.ordering`), False
         when the run stopped while waiting; ``turn()``: the context an update runs in
         (:class:`swimlane.lanes.turns.Turns`); ``throughput``: where every usable or stale
-        chunk is counted per rollout rank and env group (:mod:`swimlane.balance`).
+        chunk is counted per rollout rank and env group (:mod:`swimlane.adaptation.balance`).
 
-        ``learning()`` (a learner rank that switches roles, :mod:`swimlane.roles`): whether
+        ``learning()`` (a learner rank that switches roles, :mod:`swimlane.adaptation.roles`): whether
         the plan has it learn in the next update. Such a lane passes ``before_update`` first,
         so that the plan of the version before is in; then it waits for ``need`` chunks only
         when learning, else takes what is already queued (maybe nothing: it sits the update

@@ -2,16 +2,14 @@
 
 A rollout rank that is several times slower than the others (a heavier scene, a shared host)
 holds the whole run back in async mode: admission gives every rank routed to a learner an
-equal share of the chunks each version consumes (:mod:`swimlane.admission`), so the fast
+equal share of the chunks each version consumes (:mod:`swimlane.lanes.admission`), so the fast
 ranks wait for weights the slow one has not yet earned. Two parts fix that:
 
-* :class:`Throughput` (every learner): what each rollout rank and env group delivered over
-  a sliding window of ``window_s`` seconds: chunks, env steps and stale chunks dropped, and
-  the time its chunks took to sample (``sample_s`` in the chunk's metadata: from the
-  group's start or its previous chunk, parked time excluded, so admission's waits do not
-  count against a rank). A rank's *speed* is env steps per second of sampling per env
-  group; :func:`stragglers` names the ranks slower than ``1/k`` of the median.
-* :class:`Rebalancer` (rank 0, ``swimlane.rebalance``): a :class:`Plan` per published
+* :class:`swimlane.observation.throughput.Throughput` (every learner's gradient lane counts
+  what each rollout rank and env group delivers): a rank's *speed* is env steps per second
+  of sampling per env group; :func:`stragglers` names the ranks slower than ``1/k`` of the
+  median.
+* :class:`Rebalancer` (rank 0, ``swimlane.rebalance``): a :class:`Rebalancing` per published
   version. Each rank's share of its learner's chunks follows its measured capacity (its
   speed times its active groups, with :data:`HEADROOM`), so admission stops holding fast
   ranks back; and a
@@ -39,65 +37,6 @@ state and still bounds how far a rank runs ahead of the learner."""
 NO_PLAN = -1
 
 
-@dataclass
-class Delivered:
-    """What one rollout rank (or env group) delivered in the window."""
-
-    chunks: int = 0
-    steps: int = 0
-    dropped: int = 0  # chunks too stale to learn from
-    sample_s: float = 0.0  # seconds its chunks took to sample, summed
-
-    @property
-    def speed(self) -> float:
-        """Env steps per second of sampling (0 before any chunk)."""
-        return self.steps / self.sample_s if self.sample_s > 0 else 0.0
-
-
-class Throughput:
-    """Chunks that reached a learner, per (rollout rank, env group), over the last
-    ``window_s`` seconds."""
-
-    def __init__(self, window_s: float = 10.0, clock=time.monotonic):
-        self.window_s, self.clock = window_s, clock
-        self.events: collections.deque[tuple[float, int, int, int, bool, float]] = collections.deque()
-
-    def add(self, meta: dict, steps: int, dropped: bool) -> None:
-        """A chunk (its metadata as sent: ``rank``, ``group``, ``sample_s``; a chunk whose
-        metadata does not say is not counted)."""
-        rank, group, sample_s = meta.get("rank"), meta.get("group"), meta.get("sample_s")
-        if not (isinstance(rank, int) and isinstance(group, int) and isinstance(sample_s, (int, float))
-                and not isinstance(rank, bool) and math.isfinite(sample_s) and sample_s >= 0):
-            return
-        self.events.append((self.clock(), rank, group, steps, dropped, float(sample_s)))
-
-    def _trim(self) -> None:
-        old = self.clock() - self.window_s
-        while self.events and self.events[0][0] < old:
-            self.events.popleft()
-
-    def by_group(self) -> dict[tuple[int, int], Delivered]:
-        self._trim()
-        out: dict[tuple[int, int], Delivered] = collections.defaultdict(Delivered)
-        for _, rank, group, steps, dropped, sample_s in self.events:
-            d = out[(rank, group)]
-            d.chunks += 1
-            d.steps += steps
-            d.dropped += dropped
-            d.sample_s += sample_s
-        return dict(out)
-
-    def by_rank(self) -> dict[int, Delivered]:
-        out: dict[int, Delivered] = collections.defaultdict(Delivered)
-        for (rank, _), g in self.by_group().items():
-            d = out[rank]
-            d.chunks += g.chunks
-            d.steps += g.steps
-            d.dropped += g.dropped
-            d.sample_s += g.sample_s
-        return dict(out)
-
-
 def stragglers(speed: dict[int, float], k: float) -> list[int]:
     """The ranks whose speed is below ``1/k`` of the median (none with fewer than 2 ranks)."""
     if len(speed) < 2:
@@ -110,9 +49,9 @@ WORDS_PER_RANK = 3  # share, env groups, route
 
 
 @dataclass
-class Plan:
+class Rebalancing:
     """Per rollout rank: its share of its learner's chunks (admission), how many env groups
-    step (0: a rank that moved to the learners, :mod:`swimlane.roles`) and the learner its
+    step (0: a rank that moved to the learners, :mod:`swimlane.adaptation.roles`) and the learner its
     chunks go to (adaptive roles; else its placement's route)."""
 
     shares: dict[int, float] = field(default_factory=dict)
@@ -133,7 +72,7 @@ class Plan:
         return out
 
     @classmethod
-    def decode(cls, words: list[int]) -> "Plan":
+    def decode(cls, words: list[int]) -> "Rebalancing":
         """The inverse of :meth:`encode`; raises ValueError on words no plan produces."""
         if len(words) % WORDS_PER_RANK:
             raise ValueError(f"a plan has {WORDS_PER_RANK} words per rank, got {len(words)}")
@@ -180,12 +119,12 @@ class Rebalancer:
                  clock=time.monotonic):
         self.routes, self.built, self.k, self.window_s, self.clock = dict(routes), built, k, window_s, clock
         self.start_active = active
-        self.plan = Plan(shares=equal_shares(self.routes), active={r: active for r in routes})
+        self.plan = Rebalancing(shares=equal_shares(self.routes), active={r: active for r in routes})
         self.moves: list[Move] = []
         self._last_move = -math.inf
 
     def set_routes(self, routes: dict[int, int]) -> None:
-        """Ranks moved between rollout and learning (:mod:`swimlane.roles`): ``routes`` are
+        """Ranks moved between rollout and learning (:mod:`swimlane.adaptation.roles`): ``routes`` are
         the sampling ranks' learners now. A rank that comes back gets its env groups back;
         the shares are equal again until the ranks are measured."""
         self.routes = dict(routes)
@@ -193,7 +132,7 @@ class Rebalancer:
             self.plan.active.setdefault(r, self.start_active)
         self.plan.shares = equal_shares(self.routes)
 
-    def update(self, speed: dict[int, float], version: int) -> Plan:
+    def update(self, speed: dict[int, float], version: int) -> Rebalancing:
         """The plan for ``version`` from the ranks' measured speeds (env steps per second
         of sampling per env group; ranks not yet measured keep what they have)."""
         plan = self.plan

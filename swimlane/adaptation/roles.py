@@ -23,8 +23,8 @@ The design, end to end:
   (the rollouts are), the last candidate to join goes back to sampling, unless the number
   of learners it would go to was measured consuming fewer env steps per second lately. At
   most one switch per ``swimlane.balance_window_s``, and only at a published version: the plan rides in
-  that version's header (:class:`swimlane.balance.Plan`), and every candidate reads it
-  before its next update's collectives (:class:`swimlane.ordering.CollectiveOrder` orders
+  that version's header (:class:`swimlane.adaptation.balance.Rebalancing`), and every candidate reads it
+  before its next update's collectives (:class:`swimlane.agreement.ordering.CollectiveOrder` orders
   that broadcast before them), so all agree on who learns in which update.
 * **Chunks in flight.** A candidate that went back to sampling takes the chunks already
   queued for it into its next update without waiting for more; they count like any other

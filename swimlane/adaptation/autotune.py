@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from swimlane.trace import IDLE_KINDS
+from swimlane.observation.trace import IDLE_KINDS
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ COUNTERS: dict[str, str] = {
     "env_steps_sampled": "gradient",
     "chunks_consumed": "gradient",
     "dropped_stale": "gradient",
-    # Chunks the learner refused (swimlane.validate.REASONS), and updates whose loss or
+    # Chunks the learner refused (swimlane.lanes.validate.REASONS), and updates whose loss or
     # gradient was not finite (their optimizer steps skipped).
     "rejected_shape": "gradient",
     "rejected_instruction_ids": "gradient",

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-from swimlane.ordering import CollectiveOrder
-from swimlane.trace import Tracer
+from swimlane.agreement.ordering import CollectiveOrder
+from swimlane.observation.trace import Tracer
 
 
 class SnapshotSlot:
@@ -60,7 +60,7 @@ class SnapshotSlot:
         self._free.set()
 
 
-class PublishLane:
+class BroadcastSource:
     """Rank 0: publish the starting weights, then every snapshot handed over, until the
     last version (or the learner ended without handing more)."""
 
@@ -96,10 +96,10 @@ class PublishLane:
                 break  # the learner ended and nothing is waiting to go out
 
 
-class ReceiveLane:
+class BroadcastReceiver:
     """Every other rank: receive each published version into the standby replica (or, on a
     rank without replicas, ``weights`` None, relay it). On a learner, each receive waits for
-    its turn in the rank's order of collectives (:class:`swimlane.ordering.CollectiveOrder`)."""
+    its turn in the rank's order of collectives (:class:`swimlane.agreement.ordering.CollectiveOrder`)."""
 
     def __init__(self, *, broadcaster, weights, tracer: Tracer, shutdown_marker: int,
                  order: CollectiveOrder | None = None, stop: threading.Event | None = None,

@@ -1,7 +1,7 @@
 """What the learner checks of every chunk before it learns from it.
 
 A chunk comes from another process (or host): a bug, a broken simulator or a hostile peer
-can send one that decodes fine (:func:`swimlane.chunks.batch_from_tensors` checks names,
+can send one that decodes fine (:func:`swimlane.lanes.chunks.batch_from_tensors` checks names,
 dtypes and leading dims) and still crashes the learner or poisons its weights: a proprio
 of the wrong width, an instruction id past the vocabulary, a NaN reward, a version newer
 than the learner's (a negative lag turns ``algo.proximal=loglinear`` into NaN), or values
@@ -26,7 +26,7 @@ from dvla.envs.base import DEFAULT_REWARD_RANGE, EnvSpec
 from dvla.rollout.episodes import rollout_fields
 from dvla.rollout import cameras_of
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, RolloutBatch
-from swimlane.chunks import DTYPES
+from swimlane.lanes.chunks import DTYPES
 
 REASONS = ("shape", "instruction_ids", "non_finite", "range", "version", "extras", "episodes")
 """Why a chunk was rejected; the ledger counts ``rejected_<reason>``."""

@@ -46,7 +46,7 @@ class DoubleBufferedWeights:
     def commit(self, idx: int, version: int) -> None:
         """Mark replica ``idx`` complete as ``version``. The writer's device work (copies,
         broadcasts into it) is finished first: the inference lane may read it from a stream
-        of its own (swimlane/streams.py)."""
+        of its own (swimlane/lanes/streams.py)."""
         runtime.current().synchronize()  # this thread's device work (a no-op on the CPU)
         with self._cv:
             self._writing = None

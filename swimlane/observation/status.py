@@ -87,7 +87,7 @@ def render_metrics(snap: dict[str, Any]) -> str:
             add(metric_name(m[1] if m else key), "gauge", f"metrics.jsonl's {m[1] + '/rank<N>' if m else key} "
                 "in the latest learner update's record.", v, **({"of_rank": m[2]} if m else {}))
     for key, v in snap.get("counters", {}).items():
-        add(metric_name(key) + "_total", "counter", f"The run's {key} counter (swimlane.ledger).", v)
+        add(metric_name(key) + "_total", "counter", f"The run's {key} counter (swimlane.observation.ledger).", v)
     out = []
     for name, (kind, text, samples) in families.items():
         out += [f"# HELP {name} {_escape(text, False)}", f"# TYPE {name} {kind}"]
@@ -216,41 +216,42 @@ async def _request(reader: asyncio.StreamReader) -> tuple[str, str]:
     raise ValueError(f"more than {MAX_HEADERS} header lines")
 
 
-def run_snapshot(lanes: Any) -> dict[str, Any]:
-    """What rank 0's :class:`swimlane.runner.Swimlane` shows, read without a lock (each value
-    may be one update old)."""
-    rec = lanes.history[-1] if lanes.history else {}
+def run_snapshot(swim: Any) -> dict[str, Any]:
+    """What rank 0's :class:`swimlane.Swimlane` shows, read without a lock (each value may be one
+    update old)."""
+    s = swim.state
+    rec = s.history[-1] if s.history else {}
     try:
-        acc = lanes.chunk_accounting()
+        acc = swim.updates.chunk_accounting()
     except RuntimeError:  # a receiver's dict changed while read: the next request reads it again
         acc = None
-    errors = list(lanes.errors)
-    return {"rank": lanes.rank, "world_size": lanes.world_size, "role": lanes.placement.role(lanes.rank),
-            "version": lanes.version, "iterations": lanes.iterations, "progress": lanes.version / lanes.iterations,
-            "elapsed_s": time.perf_counter() - lanes._start_time,
-            "env_steps": int(rec.get("env_steps") or lanes.ledger.carried_env_steps),
+    errors = list(swim.errors)
+    return {"rank": s.rank, "world_size": s.world_size, "role": swim.plan.role,
+            "version": s.version, "iterations": s.iterations, "progress": s.version / s.iterations,
+            "elapsed_s": time.perf_counter() - s.start_time,
+            "env_steps": int(rec.get("env_steps") or s.ledger.carried_env_steps),
             "env_steps_per_s": rec.get("env_steps_per_s"),
-            "lanes": {name: t.is_alive() for name, t in list(lanes.driver.threads.items())},
+            "lanes": {name: t.is_alive() for name, t in list(swim.driver.threads.items())},
             "error": str(errors[0]).splitlines()[0] if errors else None,
-            "stopping": lanes.stop_event.is_set() or lanes.rollout_stop.is_set(),
+            "stopping": s.stop_event.is_set() or s.rollout_stop.is_set(),
             "last": {k: rec.get(k) for k in ("iter", "success_rate", "return_mean", "loss", "staleness_mean")},
-            "chunk_accounting": acc, "counters": lanes.total_counters(), "record": dict(rec)}
+            "chunk_accounting": acc, "counters": s.ledger.totals(), "record": dict(rec)}
 
 
-def serve_status(lanes: Any) -> StatusServer | None:
+def serve_status(swim: Any) -> StatusServer | None:
     """Rank 0 with ``run.status_port`` >= 0: serve, log the address and write it to
     ``RUN_DIR/status_address``."""
-    run = lanes.cfg.run
-    if lanes.rank != 0 or run.status_port < 0:
+    run = swim.cfg.run
+    if swim.state.rank != 0 or run.status_port < 0:
         return None
-    server = StatusServer(lambda: run_snapshot(lanes), run.status_host, run.status_port)
+    server = StatusServer(lambda: run_snapshot(swim), run.status_host, run.status_port)
     host, port = server.start()
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
     log.info("status: %s/status", url)
     try:  # whole or absent for a script polling it
-        tmp = lanes.out_dir / f".status_address.{os.getpid()}"
+        tmp = swim.out_dir / f".status_address.{os.getpid()}"
         tmp.write_text(url + "\n")
-        os.replace(tmp, lanes.out_dir / "status_address")
+        os.replace(tmp, swim.out_dir / "status_address")
     except BaseException:
         server.stop()
         raise

@@ -5,10 +5,10 @@ run stopped before a bounded channel had room), ``get(timeout)`` (the next item,
 after ``timeout`` seconds; 0 does not wait), ``depth()`` and ``close()``. The messages are
 small types: :class:`swimlane.lanes.messages.Request` and ``Reply`` between sampling and
 inference, :class:`Chunk` from sampling to the learner. Chunks travel in-process through
-:class:`swimlane.chunks.LocalChunks` or across processes through the data plane
+:class:`swimlane.lanes.chunks.LocalChunks` or across processes through the data plane
 (``RemoteChunkSink``/``RemoteChunkSource``): the same protocol, and a sink also has
 ``end(meta)`` (this sender is done). Snapshots of the weights go
-through :class:`swimlane.lanes.publish.SnapshotSlot`, a one-item channel whose newest item
+through :class:`swimlane.lanes.broadcast.SnapshotSlot`, a one-item channel whose newest item
 wins.
 """
 

@@ -8,7 +8,7 @@ sampling lane waits for newer weights first (and, after a while without any, sam
 anyway: the learner may be short of data because it dropped a chunk).
 
 The ranks' shares are equal unless a rebalancing plan sets this rank's (:meth:`Admission.
-set_share`, :mod:`swimlane.balance`): a rank that samples faster than the others is then
+set_share`, :mod:`swimlane.adaptation.balance`): a rank that samples faster than the others is then
 expected to deliver more of each version's chunks, and is not held back to the pace of the
 slowest.
 """
