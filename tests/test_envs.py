@@ -176,7 +176,7 @@ def test_long_tail_option_gives_heavy_tailed_episode_lengths():
 
 
 @pytest.mark.alone
-def test_render_cost_shifts_after_phase_after_renders():
+def test_render_cost_shifts_after_phase_after_renders(tmp_path):
     """options.phase_after: the workload's render cost changes mid-run (autotune's bench)."""
     import time
 
@@ -202,6 +202,17 @@ def test_render_cost_shifts_after_phase_after_renders():
     assert time.perf_counter() - t0 >= 0.02
     with pytest.raises(ConfigError, match="phase_after_s"):
         fast(options={"phase_after_s": -1.0})
+    # options.phase_file: the second phase while the file exists, decided from outside the run.
+    flag = tmp_path / "phase"
+    env = fast(n=2, options={"render_wait_ms": 0.0, "phase_file": str(flag), "render_wait_ms_after": 30.0})
+    env.reset()
+    for present, slow in ((False, False), (True, True), (False, False)):
+        flag.touch() if present else flag.unlink(missing_ok=True)
+        t0 = time.perf_counter()
+        env.step(torch.zeros(2, 2))
+        assert (time.perf_counter() - t0 >= 0.03) == slow, present
+    with pytest.raises(ConfigError, match="phase_file"):
+        fast(options={"phase_file": 3})
     # options.render_wait_ms_after (a wait, no core used) and render_python_ms_after (work in
     # Python, the GIL held) shift with the phase too.
     for key in ("render_wait_ms", "render_python_ms"):

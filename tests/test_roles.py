@@ -52,8 +52,8 @@ def _roles_worker(rank: int, port: int, out) -> None:
         def learner(*roles: str):
             """A learner as a rank of such a job builds it (the plan, then build_model): the
             product's own wiring of the gradient average."""
-            from swimlane.build import Groups, build_model
-            from swimlane.plan import plans_for
+            from swimlane.assembly.build import Groups, build_model
+            from swimlane.assembly.plan import plans_for
 
             job_cfg = apply_overrides(cfg, [*job, *roles])
             plan = plans_for(job_cfg, 2)[rank]
@@ -106,7 +106,7 @@ def test_a_learner_that_sits_an_update_out_leaves_the_weights_of_a_fixed_role_ru
 
 
 def test_routes_send_a_sampling_learner_to_itself_and_the_rest_to_the_least_loaded():
-    from swimlane.roles import routes_for
+    from swimlane.adaptation.roles import routes_for
 
     assert routes_for([0], [0, 1, 2]) == {0: 0, 1: 0, 2: 0}
     assert routes_for([0, 1], [0, 2]) == {0: 0, 2: 1}  # rank 1 learns and samples nothing
@@ -117,7 +117,7 @@ def test_routes_send_a_sampling_learner_to_itself_and_the_rest_to_the_least_load
 
 
 def _planner(clock, candidates=(1,), rollout=(0, 1, 2)):
-    from swimlane.roles import RolePlanner
+    from swimlane.adaptation.roles import RolePlanner
 
     return RolePlanner(list(candidates), list(rollout), low=0.1, high=0.5, window_s=10.0, clock=clock)
 
@@ -190,7 +190,7 @@ def test_the_planner_switches_at_most_once_per_window_only_at_published_versions
 
 
 def test_a_routed_sink_sends_each_chunk_to_the_planned_learner_and_tells_each_its_count():
-    from swimlane.chunks import RoutedSink
+    from swimlane.lanes.chunks import RoutedSink
 
     class Sink:
         def __init__(self):
@@ -233,26 +233,73 @@ def test_adaptive_roles_are_checked():
             apply_overrides(debug(), base + bad).validate()
 
 
-@pytest.mark.slow
-@pytest.mark.alone  # its role switches follow measured wait and learn times, which other tests' load blurs
-def test_a_rank_moves_between_rollout_and_learning_mid_run(tmp_path):
-    """Three processes under torchrun: rank 0 learns, rank 1 is a candidate, rank 2 samples
-    slowly; learning is slow (many epochs), weights go out every second version. Rank 1
-    joins the learners at a published version, then goes back to sampling when the
-    learners wait for rank 2's chunks. No deadlock; both learner ranks end with the same
-    weights (the masked average keeps them one); every chunk is accounted for on both."""
+def _follow_metrics(path, proc, want, deadline_s: float = 240.0) -> list[dict]:
+    """The rows of ``path`` (a metrics file a run writes), read as they come until one
+    satisfies ``want`` (returned: every row so far); fails if the run ends or the deadline
+    passes first."""
     import json
+    import time
 
-    from dvla.metrics import read_metrics
+    rows, seen = [], 0
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if path.exists():
+            lines = path.read_text().split("\n")
+            for line in lines[seen:-1]:  # (the last piece: a line still being written, or "")
+                rows.append(json.loads(line))
+                if want(rows[-1]):
+                    return rows
+            seen = max(seen, len(lines) - 1)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    out = proc.communicate(timeout=60)[0] if proc.poll() is not None else ""
+    raise AssertionError(f"the run {'ended' if out else 'ran on'} before the awaited row; "
+                         f"last rows {rows[-3:]}\n{out[-4000:]}")
+
+
+@pytest.mark.slow
+def test_a_rank_moves_between_rollout_and_learning_mid_run(tmp_path):
+    """Three processes under torchrun: rank 0 learns, rank 1 is a candidate, and all three
+    sample. Phase one: learning is the bottleneck (each learning forward pass waits), and the
+    test waits until rank 1 has joined the learners at a published version. Then the test
+    makes sampling the bottleneck (every env's renders wait while a phase file exists) and
+    waits until rank 1 has gone back to sampling; removes the file and lets the run end. No
+    deadlock; both learner ranks end with the same weights (the masked average keeps them
+    one); every chunk is accounted for on both. The phases are the run's own events, seen in
+    its metrics, so the switches do not hang on measured times that other load blurs (the
+    waits use no core)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
     from dvla.app.report.make import make_report
-    from tests.ranks import torchrun_job
+    from dvla.metrics import read_metrics
 
-    run = torchrun_job(tmp_path, "roles", [
-        "swimlane.learner_ranks=2", "swimlane.roles=adaptive", "swimlane.balance_window_s=1",
-        "swimlane.broadcast_every=2", "swimlane.max_staleness=2", "algo.update_epochs=48",
-        "env.rank_options.2.render_wait_ms=500", "run.iterations=16"], nproc=3)
+    run, phase = tmp_path / "roles", tmp_path / "sampling-is-slow"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           "-m", "dvla.launch", "--preset", "debug", "run.torch_threads=1",
+           "swimlane.learner_ranks=2", "swimlane.roles=adaptive", "swimlane.balance_window_s=1",
+           "swimlane.broadcast_every=2", "swimlane.max_staleness=2", "algo.update_epochs=1", "env.n_envs=4",
+           "env.episode_len=4", "policy.options.learn_wait_ms=300", f"env.options.phase_file={phase}",
+           "env.options.render_wait_ms_after=300", "run.iterations=24",
+           f"run.out_dir={tmp_path}", "run.name=roles"]
+    with subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        try:
+            joined = _follow_metrics(run / "metrics.jsonl", proc, lambda r: r.get("role/rank1") == 1.0)
+            phase.touch()  # sampling is now the bottleneck
+            _follow_metrics(run / "metrics.jsonl", proc,
+                            lambda r: r["iter"] > joined[-1]["iter"] and r.get("role/rank1") == 0.0)
+            phase.unlink()
+            out = proc.communicate(timeout=240)[0]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 0, out[-4000:]
     lead, cand = (json.loads((run / name).read_text()) for name in ("summary.json", "summary_rank1.json"))
-    assert lead["version"] == cand["version"] == 16
+    assert lead["version"] == cand["version"] == 24
     switches = lead["balance"]["roles"]["switches"]
     assert [(w["rank"], w["to"]) for w in switches[:2]] == [(1, "learner"), (1, "rollout")], switches
     assert all(w["version"] % 2 == 0 for w in switches)  # only at published versions
@@ -268,7 +315,7 @@ def test_a_rank_moves_between_rollout_and_learning_mid_run(tmp_path):
 
 
 def test_admission_counts_from_the_newest_weights_after_a_route_change():
-    from swimlane.admission import Admission
+    from swimlane.lanes.admission import Admission
 
     adm = Admission(base=0, chunks_per_update=1, senders=10, max_staleness=2)  # a one-in-ten share
     adm.start()

@@ -30,7 +30,7 @@ class EnvConfig:
     options: dict[str, Any] = field(default_factory=dict)
     """Backend-specific options, validated by the env itself. fast_reach: ``n_targets,
     max_delta, radius, privileged, render_cost_ms, render_wait_ms, wrist_camera, long_tail,
-    long_tail_cap, phase_after, phase_after_s, render_cost_ms_after, render_wait_ms_after,
+    long_tail_cap, phase_after, phase_after_s, phase_file, render_cost_ms_after, render_wait_ms_after,
     render_python_ms, render_python_ms_after``;
     genesis: ``max_delta,
     substeps_per_action, dt, privileged, vis_mode, action_mode``; gym: ``gym_id, instruction, image_key,

@@ -21,7 +21,9 @@ per rendered observation to imitate a slow simulator in benchmarks, and
 ``options.phase_after=N`` switches it to ``options.render_cost_ms_after`` once the env has
 rendered N observations, ``options.phase_after_s=S`` once S seconds have passed since it was
 built (a workload whose phases shift mid-run; in seconds, the shift comes at the same time
-however many env groups share the work), and ``options.render_wait_ms_after`` likewise
+however many env groups share the work), ``options.phase_file=PATH`` while the file PATH
+exists (a shift that something outside the run decides, when it sees the run reach a state:
+a test, an operator; checked at every render), and ``options.render_wait_ms_after`` likewise
 replaces ``render_wait_ms`` in the second phase. The work (hashing a
 buffer) runs in native code with the GIL released, as a C++/CUDA simulator's would, so
 other threads (inference, learning) can overlap with it. ``options.render_wait_ms`` instead
@@ -35,6 +37,7 @@ then the other lanes' threads cannot run beside it.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 
 import torch
@@ -72,7 +75,8 @@ class FastReachEnv(GoalEnv):
     OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
                "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0,
                "phase_after": 0, "phase_after_s": 0.0, "render_cost_ms_after": 0.0, "render_wait_ms": 0.0,
-               "render_wait_ms_after": None, "render_python_ms": 0.0, "render_python_ms_after": None}
+               "render_wait_ms_after": None, "render_python_ms": 0.0, "render_python_ms_after": None,
+               "phase_file": ""}
     WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
@@ -103,6 +107,9 @@ class FastReachEnv(GoalEnv):
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ConfigError(f"env.options.phase_after: renders before render_cost_ms_after applies (0: never), "
                               f"got {n!r}")
+        if not isinstance(opts["phase_file"], str):
+            raise ConfigError(f"env.options.phase_file: a path (the second phase while it exists; '': none), "
+                              f"got {opts['phase_file']!r}")
         w = opts["wrist_camera"]
         if isinstance(w, bool) or not isinstance(w, int) or w < 0:
             raise ConfigError(f"env.options.wrist_camera: the wrist camera's side in pixels (0: none), got {w!r}")
@@ -123,6 +130,7 @@ class FastReachEnv(GoalEnv):
         self.render_python = _per_phase(opts, "render_python_ms")
         self.phase_after = int(opts["phase_after"])
         self.phase_at = time.perf_counter() + float(opts["phase_after_s"]) if opts["phase_after_s"] else None
+        self.phase_file = opts["phase_file"]
         self.renders = 0
         self.wrist = int(opts["wrist_camera"])
         self.long_tail, self.long_tail_cap = float(opts["long_tail"]), float(opts["long_tail_cap"])
@@ -191,7 +199,8 @@ class FastReachEnv(GoalEnv):
         img += blob(self.pos) * 255.0
         self.renders += around is None
         shifted = (self.phase_after and self.renders > self.phase_after) or (
-            self.phase_at is not None and time.perf_counter() >= self.phase_at)
+            self.phase_at is not None and time.perf_counter() >= self.phase_at) or (
+            self.phase_file and os.path.exists(self.phase_file))
         cost, wait, held = (x[1 if shifted else 0] for x in (self.render_cost, self.render_wait, self.render_python))
         if cost > 0:
             end = time.perf_counter() + cost
