@@ -1,7 +1,8 @@
 """Two "nodes" on one machine: two torchrun invocations joined by c10d rendezvous on
 loopback, each told it is a different host (``DVLA_FAKE_HOSTNAME``). They train
 together; the run must show that weights went down the hierarchical tree (once across
-the hosts, then fanned out locally) and that chunks took ipc on a host and tcp across."""
+the hosts, then fanned out locally) and that chunks took ipc on a host and tcp across, and
+every rank must have built what ``--print-rank`` printed for it beforehand."""
 
 import json
 import os
@@ -24,13 +25,20 @@ def free_port() -> int:
 def test_two_nodes_train_together_over_the_tree(tmp_path):
     out = tmp_path / "two_nodes"
     port = free_port()
+    job = ["--preset", "fast_reach", "run.iterations=30", "env.image_size=16", "env.n_envs=32",
+           "swimlane.env_groups=1", "swimlane.chunks_per_update=2", "run.progress=false", "run.torch_threads=1"]
+    # The plans, printed without building anything, for the same job on two hosts of two ranks.
+    printed = subprocess.run([sys.executable, "-m", "dvla.launch", *job, "swimlane.topology=2x2", "--print-rank"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert printed.returncode == 0, printed.stderr[-3000:]
+    plans = ["rank " + block for block in printed.stdout.strip().split("\nrank ")]
+    plans[0] = plans[0].removeprefix("rank ")
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
                "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-               "--rdzv_id=dvla-two-nodes", "-m", "dvla.launch", "--preset", "fast_reach", "run.iterations=30",
-               "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=1", "swimlane.chunks_per_update=2",
-               "run.progress=false", "run.torch_threads=1", f"run.out_dir={out.parent}", f"run.name={out.name}"]
+               "--rdzv_id=dvla-two-nodes", "-m", "dvla.launch", *job, f"run.out_dir={out.parent}",
+               f"run.name={out.name}"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "DVLA_FAKE_HOSTNAME": f"node{node}"}
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
@@ -54,6 +62,13 @@ def test_two_nodes_train_together_over_the_tree(tmp_path):
     # Two hosts of two ranks each, whichever agent got ranks 0-1.
     hosts = {s[r]["host"] for r in s}
     assert hosts == {"node0", "node1"} and s[0]["host"] == s[1]["host"] != s[2]["host"] == s[3]["host"]
+    # What each rank built and ran is what --print-rank printed for it (the host names aside:
+    # the topology's host0 is the host of ranks 0-1, here whichever agent got them).
+    assert len(plans) == 4, printed.stdout
+    for r in s:
+        built = s[r]["built"].strip().replace(f" on {s[r]['host']}:", f" on host{r // 2}:", 1)
+        assert built == plans[r].strip() == s[r]["plan"].strip().replace(f" on {s[r]['host']}:", f" on host{r // 2}:", 1), \
+            (r, built, plans[r])
     tree = s[0]["placement"]["tree"]
     assert tree["leaders"] == [0, 2] and tree["local_groups"] == [[0, 1], [2, 3]]
 

@@ -145,6 +145,14 @@ class Groups:
     learner: Any = None  # the learners' gradient all-reduce (None in one process)
     control: Any = None  # the control plane's broadcast group
     stages: Any = None  # the hierarchical broadcast's stages (None: flat)
+    learner_ranks: tuple[int, ...] = ()  # the ranks the learners' group was created with
+
+    def learners(self) -> tuple[int, ...]:
+        """The learners' group's ranks: as torch holds them on a member; on any other rank
+        (which holds no handle of it, only torch's non-member marker), as it was created."""
+        if self.learner is None or self.learner is dist.GroupMember.NON_GROUP_MEMBER:
+            return self.learner_ranks
+        return tuple(dist.get_process_group_ranks(self.learner))
 
 
 def build_groups(plan: PlannedGroups | None, timeout_s: float, device: torch.device) -> Groups:
@@ -162,7 +170,7 @@ def build_groups(plan: PlannedGroups | None, timeout_s: float, device: torch.dev
         s = plan.stages
         stages = hierarchical_stages(list(s.leaders), [list(g) for g in s.local_groups], s.source,
                                      backend=plan.backend, timeout=timeout)
-    return Groups(learner, control, stages)
+    return Groups(learner, control, stages, tuple(plan.learners))
 
 
 @dataclass
@@ -287,7 +295,7 @@ def prepare_learner(cfg: JobConfig, algo, groups: Groups, memory: MemoryManager 
 @dataclass
 class WeightBuffers:
     weights: DoubleBufferedWeights | None  # the inference lane's two replicas (None: the rank does not roll out)
-    snapshot: Any  # rank 0: the copy the publish lane sends from (None elsewhere)
+    snapshot: Any  # rank 0: the copy the broadcast lane sends from (None elsewhere)
     snap_flats: list[torch.Tensor] | None
     bc: WeightBroadcaster | None  # the control plane (None in one process)
 

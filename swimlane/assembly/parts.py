@@ -195,7 +195,7 @@ def as_built(parts: RankParts, lanes: list[str]) -> RankPlan:
                     senders_elsewhere=plan.chunks.senders_elsewhere)
     groups = None
     if parts.groups.control is not None:
-        groups = PlannedGroups(tuple(dist.get_process_group_ranks(parts.groups.learner)),
+        groups = PlannedGroups(parts.groups.learners(),
                                str(dist.get_backend(parts.groups.control)),
                                plan.groups.stages if parts.groups.stages is not None else None)
     memory, host = parts.memory, parts.host_pool
