@@ -138,6 +138,9 @@ def _row_iter(line: str) -> int | None:
     return int(row.get("iter", 0)) if isinstance(row, dict) else None
 
 
+TORN_LINE = "{path}: line {line} is torn or not JSON (a crash mid-write?): dropped"  # the resume's warning
+
+
 def truncate_metrics(path: Path, version: int) -> None:
     """Drop the rows a stopped attempt logged at or after ``version``, the update (or SFT step)
     its resume starts from, and any torn line (the last one of a crash mid-write) with a
@@ -151,7 +154,7 @@ def truncate_metrics(path: Path, version: int) -> None:
             continue
         it = _row_iter(ln)
         if it is None:
-            log.warning("%s: line %d is torn or not JSON (a crash mid-write?): dropped", path, n)
+            log.warning(TORN_LINE.format(path=path, line=n))
         elif it < version:
             keep.append(ln if ln.endswith("\n") else ln + "\n")
     if "".join(keep) != "".join(lines):

@@ -13,6 +13,7 @@ import pytest
 
 from dvla.app import cli
 from dvla.config import ConfigError
+from dvla.metrics import TORN_LINE
 from dvla.state.rundir import (LATEST, choose_run_dir, discard_new_run, find_latest_run, latest_run, new_run_dir,
                          resolve_run_arg)
 
@@ -132,8 +133,12 @@ def test_two_launches_two_directories_then_resume_and_trace_the_latest(tmp_path)
         assert json.loads((run / "summary.json").read_text())["version"] == 1
         assert f"[dvla] run directory: {rel}" in proc.stderr
 
+    with open(runs[1] / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 1, "lo')  # a crash mid-write (dvla sft's resume sees the same: test_sft_ranks.py)
     resumed = launch("--resume", "run.iterations=2", cwd=tmp_path)
     assert "(resumed from update 1)" in resumed.stdout and "continuing it" in resumed.stderr
+    assert TORN_LINE.format(path=f"runs/debug/{runs[1].name}/metrics.jsonl", line=2) in resumed.stderr, resumed.stderr
+    assert [json.loads(ln)["iter"] for ln in (runs[1] / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     summary = json.loads((runs[1] / "summary.json").read_text())
     assert summary["resumed_from"] == 1 and summary["version"] == 2
     assert len([p for p in base.iterdir() if p.name != LATEST]) == 2  # no new directory

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from dvla.state.checkpoint import CheckpointManager
+from dvla.metrics import TORN_LINE
 from dvla.app.cli import main as cli
 from dvla.datasets.frames import GlobalBatches, shard
 from test_sft import FAST, data, one_line, sft  # noqa: F401 (data: the fast_reach demonstrations fixture)
@@ -137,10 +138,13 @@ def test_a_resume_goes_on_bit_for_bit_past_a_damaged_checkpoint(data, tmp_path, 
     stopped = sft(tmp_path / "stopped", data, *flow, "run.iterations=8")
     assert [p.name for p in CheckpointManager(stopped / "checkpoints").list()] == ["step-00000004", "step-00000008"]
     damage(stopped / "checkpoints" / "step-00000008")
+    with open(stopped / "metrics.jsonl", "a") as f:
+        f.write('{"iter": 8, "lo')  # and a crash mid-write: the RL resume's warning (test_rundir.py)
     capsys.readouterr()
     assert sft(tmp_path / "stopped", data, *flow, "run.iterations=12", "--resume") == stopped
     err = capsys.readouterr().err
     assert "skipping checkpoint" in err and "step-00000008" in err and "resuming from" in err
+    assert TORN_LINE.format(path=stopped / "metrics.jsonl", line=9) in err, err
     assert [r["iter"] for r in rows(stopped)] == list(range(12))  # the rows after step 4 written again, once
     a, b = weights(straight), weights(stopped)
     assert all(torch.equal(a[k], b[k]) for k in a)
