@@ -295,3 +295,15 @@ def test_dvla_trace_draw_gantt_still_takes_one_trace(tmp_path):
     info = draw_swimlanes([("", spans)], tmp_path / "h.png", window=(3.0, 6.0))
     assert info["rows"] == ["gradient (33%)"]  # sampling ended before the window; learn 1 s of 3
     assert info["xlim"] == pytest.approx((3.0, 6.0))
+
+
+def test_the_moves_are_reported_whichever_ranks_the_last_window_saw(run_dir):
+    """A rebalanced run whose last balance window heard from one rollout rank (the straggler
+    had handed its groups over and was quiet) still reports its env group moves."""
+    from dvla.app.report.summary import summary_text
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary["balance"] = {"window_s": 2, "stragglers": [], "by_rank": {"1": {"steps": 640, "sample_s": 2.0}},
+                          "moves": [{"version": 12, "src": 2, "dst": 1, "reason": "straggler"}]}
+    text = summary_text(run_dir, read_metrics(run_dir / "metrics.jsonl"), {0: summary}, {}, {}, [], [], [])
+    assert "rebalancing: 1 env group move(s): v12 rank 2 -> 1" in text, text

@@ -135,11 +135,11 @@ def summary_text(run: Path, rows: list[dict], summaries: dict[int, dict], traces
                            for r, d in bal["by_rank"].items() if num(d.get("sample_s")))
         lines.append(f"rollout ranks (last {_fmt(bal.get('window_s'), 'g')} s): env steps/s per env group: {speeds}; "
                      f"stragglers at the end: {bal.get('stragglers') or 'none'}")
-        moves = bal.get("moves") or []
-        if moves:
-            lines.append(f"rebalancing: {len(moves)} env group move(s): "
-                         + ", ".join(f"v{m['version']} rank {m['src']} -> {m['dst']}" for m in moves[:8])
-                         + (" ..." if len(moves) > 8 else ""))
+    moves = bal.get("moves") or []  # (whichever ranks the last window saw deliver)
+    if moves:
+        lines.append(f"rebalancing: {len(moves)} env group move(s): "
+                     + ", ".join(f"v{m['version']} rank {m['src']} -> {m['dst']}" for m in moves[:8])
+                     + (" ..." if len(moves) > 8 else ""))
     roles = bal.get("roles")
     if roles:
         switches = roles.get("switches") or []
