@@ -160,7 +160,7 @@ def _chunk(policy, env, version, offset):
 
 
 def test_stale_chunks_are_dropped_and_counted(tmp_path):
-    """Feed the learner lane by hand, in this thread: chunks older than max_staleness are
+    """Feed the gradient lane by hand, in this thread: chunks older than max_staleness are
     dropped and counted, and only usable ones count as progress."""
     from swimlane.lanes.chunks import LocalChunks
     from swimlane.observation.health import StallTimer

@@ -81,7 +81,7 @@ class CollectiveOrder:
             self._cv.notify_all()
 
     def ended(self) -> None:
-        """The learner lane has ended: no more updates; broadcasts need not wait for one."""
+        """The gradient lane has ended: no more updates; broadcasts need not wait for one."""
         with self._cv:
             self._ended = True
             self._cv.notify_all()

@@ -2,8 +2,8 @@
 weights (locally into the standby inference replica, and over the control plane); every
 other rank receives each version into its standby replica.
 
-The learner lane hands snapshots over through a :class:`SnapshotSlot`: one slot, so a
-version the publish lane is too busy to take is skipped and a newer one goes out.
+The gradient lane hands snapshots over through a :class:`SnapshotSlot`: one slot, so a
+version the broadcast lane is too busy to take is skipped and a newer one goes out.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from swimlane.observation.trace import Tracer
 
 
 class SnapshotSlot:
-    """One snapshot of the weights between the learner lane (writer) and the publish lane
+    """One snapshot of the weights between the gradient lane (writer) and the broadcast lane
     (reader). The writer copies into it only while the reader is not sending from it."""
 
     def __init__(self) -> None:

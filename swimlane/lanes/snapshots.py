@@ -1,4 +1,4 @@
-"""The learner's side of publishing: copying its weights into the snapshot the publish lane
+"""The learner's side of publishing: copying its weights into the snapshot the broadcast lane
 sends from (rank 0), whole or gathered from the shards of a sharded learner."""
 
 from __future__ import annotations
