@@ -29,7 +29,7 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6", "tensorboard>=2.14",
                 # the documentation site (docs/), built strictly by tests/test_docs.py
                 "sphinx>=8", "myst-parser>=4",
-                # tests/test_record.py exercises the dataset readers and writer (the "data" extra)
+                # tests/unit/dvla/test_record.py exercises the dataset readers and writer (the "data" extra)
                 "pyarrow>=15", "h5py>=3.10"],
         "tb": ["tensorboard>=2.14"],  # TensorBoard event files next to metrics.jsonl
         # Transformer VLAs (token_vla, dvla.heads.tokens), Hugging Face tokenizers and the

@@ -27,7 +27,7 @@
 #
 # One GPU runs every step above but NCCL between ranks (it needs a GPU per rank): the broadcast
 # over NCCL, the learners' all-reduce and FSDP across ranks, the hierarchical broadcast and
-# NCCL teardown after a failure run only on a machine of two GPUs or more (tests/test_nccl.py).
+# NCCL teardown after a failure run only on a machine of two GPUs or more (tests/integration/test_nccl.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -76,7 +76,7 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || 
 
 if [ "$SMOKE" -eq 1 ]; then
   if [ "$GPUS" -gt 0 ]; then
-    step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py tests/test_streams.py -k "cuda or nccl"
+    step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_nccl.py tests/unit/memory/test_memory.py tests/unit/swimlane/test_streams.py -k "cuda or nccl"
   else  # every one of them skips without CUDA: nothing to run
     echo "== gpu-tests: no CUDA here, skipped" | tee -a "$OUT"
   fi
@@ -91,7 +91,7 @@ if [ "$SMOKE" -eq 1 ]; then
     --render-cost-ms 1 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png"
   step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
 else
-  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_nccl.py tests/test_memory.py tests/test_streams.py -k "cuda or nccl"
+  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_nccl.py tests/unit/memory/test_memory.py tests/unit/swimlane/test_streams.py -k "cuda or nccl"
   step colocated 120 "$PY" bench/gpu_paths.py colocated --device cuda --iterations 12 --envs 64 --image 64
   step receiver 150 "$PY" bench/gpu_paths.py receiver --device cuda --iterations 8 --envs 64 --image 64
   if [ "$GPUS" -ge 2 ]; then

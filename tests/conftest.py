@@ -95,9 +95,9 @@ def every_dtype_tensors() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def two_hosts():
-    """Two network namespaces joined by a veth pair (``tests/netns.py``), removed after the
+    """Two network namespaces joined by a veth pair (``tests/helpers/netns.py``), removed after the
     test; a skip where they cannot be made (a failure under ``DVLA_REQUIRE_NETNS=1``)."""
-    from netns import require_two_hosts
+    from tests.helpers.netns import require_two_hosts
 
     yield from require_two_hosts()
 

@@ -7,15 +7,14 @@ import dataclasses
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from dvla.app.cli import main as cli
 from dvla.config import JobConfig
 from dvla.config.reference import BEGIN, DOC_PAGE, END, field_docs, reference, rows, write
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
 CONFIG_PAGE = DOCS / "configuration.md"

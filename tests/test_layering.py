@@ -26,8 +26,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 APP = "dvla.app"
 # Lowest first; the packages of one layer are independent of each other.
 LAYERS = (("memory",), ("planes", "launch"), ("dvla",), ("swimlane.observation",),

@@ -2,14 +2,13 @@
 are present and match CI's."""
 
 import re
-from pathlib import Path
 
 import torch
 
 from dvla.policy import POLICY_REGISTRY, PolicySpec, build_policy
 from dvla.types import Observation
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MODEL_PAGE = ROOT / "docs" / "adding-a-model.md"
 

@@ -1,0 +1,243 @@
+"""The rank's device discipline (memory/runtime.py), kept by a recording fake of the runtime
+that runs the GPU code paths with tensors on the CPU (tests/helpers/fake_runtime.py): every thread
+binds the device before it touches it, no collective runs on a compute stream, no version
+announcement waits in a collective, each pool has one thread, and a pinned block goes out
+again only after its copies. And: no module outside the runtime calls torch.cuda."""
+
+import ast
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from dvla.config import apply_overrides
+from dvla.config.presets import debug
+from tests.helpers.fake_runtime import FakeRuntime, installed
+from memory import MemoryManager, TransientPool
+from memory.runtime import DisciplineError, Runtime, visible_device_env
+from tests.helpers.ranks import spawn_ranks
+from swimlane import Swimlane
+from tests.helpers import ROOT
+
+PACKAGES = ("dvla", "planes", "swimlane", "memory", "launch")
+
+
+def test_no_module_outside_the_runtime_calls_torch_cuda():
+    offenders = []
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            if path == ROOT / "memory" / "runtime.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                bad = (isinstance(node, ast.Attribute) and node.attr == "cuda" and isinstance(node.value, ast.Name)
+                       and node.value.id == "torch")
+                bad |= isinstance(node, ast.ImportFrom) and node.module in ("torch", "torch.cuda") and (
+                    node.module == "torch.cuda" or any(a.name == "cuda" for a in node.names))
+                bad |= isinstance(node, ast.Import) and any(a.name.startswith("torch.cuda") for a in node.names)
+                if bad:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, "torch.cuda outside memory/runtime.py: " + ", ".join(offenders)
+
+
+def _cfg(tmp_path, *extra):
+    return apply_overrides(debug(), [f"run.out_dir={tmp_path}", "run.iterations=6", "swimlane.env_groups=2",
+                                     "swimlane.cuda_streams=true", "memory.enabled=true", *extra])
+
+
+def test_a_colocated_async_swimlane_keeps_the_discipline(tmp_path):
+    """Streams, three pools (persistent, the gradient lane's, the inference lane's), pinned
+    rollout buffers with asynchronous copies, and an env error that drops a batch (its pinned
+    buffers go back to the pool without a build): no violation, and the run learns to the end."""
+    with installed() as fake:
+        lanes = Swimlane(_cfg(tmp_path))
+        real_step, calls = lanes.envs[1].step, {"n": 0}
+
+        def flaky_step(actions):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("contact solver diverged")
+            return real_step(actions)
+
+        lanes.envs[1].step = flaky_step
+        # A forward pass waits for both groups: its batch comes from its pool. The groups'
+        # first requests come together: 0.1 s gives the same 4 batched passes as 1 s did, in
+        # 5 s instead of 40 (a pass for one group waits it out); 0 gives none.
+        lanes.lanes.inference.wait_s = 0.1
+        assert lanes.parts.host_pool is not lanes.memory.transient and lanes.parts.host_pool.pin_memory
+        summary = lanes.run()
+    assert fake.violations == []
+    assert summary["version"] == 6 and summary["env_errors"] == 1
+    assert lanes.memory.inference.stats().allocations > 0 and lanes.parts.host_pool.stats().reuses > 0
+
+
+def test_the_fake_catches_a_thread_that_never_bound_the_device():
+    fake = FakeRuntime()
+    t = threading.Thread(target=lambda: fake.synchronize(), name="unbound")
+    t.start()
+    t.join()
+    fake.bind_thread()
+    fake.synchronize()
+    assert fake.violations == ["unbound: synchronize before the thread bound the rank's device"]
+
+
+def test_two_threads_in_one_pool_are_refused():
+    """PyTorch refuses a second thread recording to a MemPool; every runtime (the CPU's too)
+    refuses it first, naming the pool and both threads."""
+    rt, pool = Runtime(), object()
+    with rt.allocate_in(pool, "transient pool"):
+        pass
+    errors = []
+
+    def other():
+        try:
+            with rt.allocate_in(pool, "transient pool"):
+                pass
+        except DisciplineError as exc:
+            errors.append(str(exc))
+
+    t = threading.Thread(target=other, name="dvla-inference")
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "'dvla-inference' allocates into a memory pool that thread 'MainThread' owns" \
+        in errors[0]
+
+
+def test_a_pinned_block_waits_for_its_copies_before_it_goes_out_again():
+    with installed() as fake:
+        fake.bind_thread()
+        pool = TransientPool("cpu", None, name="host", pin_memory=True)
+        t = pool.empty((64,), torch.float32)
+        fake.copy_async(t, torch.ones(64))  # a device -> host copy still in flight
+        pool.release(t)  # records an event after it
+        again = pool.empty((64,), torch.float32)  # the host waits for the event first
+        assert again.data_ptr() == t.data_ptr()
+        # Without the event (a release that records none), the fake flags the reuse.
+        fake.copy_async(again, torch.ones(64))
+        block = pool._live[again.data_ptr()].block
+        pool.release(again)
+        block.event = None
+        pool.empty((64,), torch.float32)
+    assert fake.violations == ["MainThread: a pinned block is handed out again before the event after its copies "
+                               "was waited for"]
+
+
+def test_the_memory_manager_gives_each_lane_a_pool_of_its_own():
+    with installed() as fake:
+        fake.bind_thread()
+        m = MemoryManager("cpu")
+        pools = [m.persistent.mempool, m.transient.mempool, m.inference.mempool]
+        assert all(p is not None for p in pools) and len({id(p) for p in pools}) == 3
+        assert "mem/transient_inference/reserved_mb" in m.metrics()
+
+
+def test_visible_devices_narrow_to_the_rank_own_gpu():
+    assert visible_device_env(1, {"CUDA_VISIBLE_DEVICES": "3,5"})["CUDA_VISIBLE_DEVICES"] == "5"
+    assert visible_device_env(2, {})["CUDA_VISIBLE_DEVICES"] == "2"
+    assert visible_device_env(0, {"CUDA_VISIBLE_DEVICES": ""})["CUDA_VISIBLE_DEVICES"] == ""  # none to narrow
+    assert visible_device_env(3, {"CUDA_VISIBLE_DEVICES": "4"})["CUDA_VISIBLE_DEVICES"] == "4"  # shared
+
+
+# -- two processes: a learner-only rank 0 and a rollout-only rank 1, on gloo ------------------
+
+
+def _receiver_worker(rank: int, port: int, out_dir: str, queue) -> None:
+    import torch.distributed as dist
+
+    from dvla.distributed import shutdown
+    from tests.helpers.fake_runtime import installed as fake_installed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    try:
+        with fake_installed() as fake:
+            dist.init_process_group("gloo", rank=rank, world_size=2)
+            cfg = apply_overrides(debug(), [f"run.out_dir={out_dir}", "run.iterations=4", "swimlane.colocate=false",
+                                            "swimlane.cuda_streams=true", "memory.enabled=true",
+                                            "swimlane.collective_timeout_s=77"])
+            lanes = Swimlane(cfg, rank=rank, world_size=2)
+            timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                        for g in (lanes.parts.groups.learner, lanes.parts.groups.control)
+                        if isinstance(g, dist.ProcessGroup)]  # (rank 1 is no member of the learners')
+            summary = lanes.run()
+            with fake.collective():
+                shutdown()
+        queue.put((rank, {"violations": fake.violations, "version": summary["version"],
+                          "replica_version": summary.get("replica_version"), "collectives": fake.collectives,
+                          "role": summary["role"], "timeouts": timeouts}))
+    except BaseException as exc:  # noqa: BLE001
+        import traceback
+
+        queue.put((rank, {"error": f"{exc!r}\n{traceback.format_exc()}"}))
+
+
+def test_a_rollout_only_receiver_keeps_the_discipline(tmp_path):
+    """Rank 1 receives every version into its standby replica while rank 0 learns: every
+    collective on a communication stream, every thread bound, every pool one thread's."""
+    got = spawn_ranks(_receiver_worker, 2, str(tmp_path / "run"), timeout=240)
+    for rank in (0, 1):
+        assert got[rank]["violations"] == [], got[rank]["violations"]
+        assert got[rank]["collectives"] > 0
+        assert set(got[rank]["timeouts"]) == {77.0}  # swimlane.collective_timeout_s on every group
+    assert len(got[0]["timeouts"]) == 2
+    assert got[0]["role"] == "learner" and got[1]["role"] == "rollout"
+    assert got[0]["version"] == 4 and got[1]["replica_version"] == 4
+
+
+def test_waiting_for_a_version_issues_no_collective():
+    """A receiver waits for the next version on the store: no collective is pending while
+    the learner has not published (a pending NCCL receive would hold the GPU), and a stop
+    ends the wait."""
+    got = spawn_ranks(_announce_worker, 2, timeout=120)
+    assert got[1] == {"stopped": None, "collectives_while_waiting": 0, "then": [3, [7, 8]]}
+
+
+def _announce_worker(rank: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from planes.control import WeightBroadcaster
+
+    try:
+        with installed() as fake:
+            fake.bind_thread()
+            dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+            bc = WeightBroadcaster(torch.nn.Linear(3, 2), src=0, header_words=2)
+            if rank == 0:
+                store = dist.distributed_c10d._get_default_store()
+                store.wait(["receiver-waited"])
+                bc.publish(3, [7, 8])
+                queue.put((0, {}))
+            else:
+                before = fake.collectives
+                stop = threading.Event()
+                threading.Timer(0.3, stop.set).start()
+                stopped = bc.receive_version(stop)  # nothing announced yet: waits, then stops
+                while_waiting = fake.collectives - before
+                dist.distributed_c10d._get_default_store().set("receiver-waited", "1")
+                v = bc.receive_version()
+                bc.receive_buckets(v)
+                queue.put((1, {"stopped": stopped, "collectives_while_waiting": while_waiting,
+                               "then": [v, bc.header]}))
+            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001
+        import traceback
+
+        queue.put((rank, {"error": f"{exc!r}\n{traceback.format_exc()}"}))
+
+
+@pytest.mark.slow
+def test_each_torchrun_rank_sees_only_its_own_gpu(tmp_path):
+    """Before CUDA starts, the launcher narrows CUDA_VISIBLE_DEVICES to the rank's own GPU, so
+    torch, genesis and renderers agree on it (cuda:0 in every rank)."""
+    out = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dvla.launch",
+           "--preset", "debug", "run.iterations=2", f"run.out_dir={out}", "run.name=r", "run.progress=false"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "3,5"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    assert json.loads((out / "r" / "summary.json").read_text())["cuda_visible_devices"] == "3"
+    assert json.loads((out / "r" / "summary_rank1.json").read_text())["cuda_visible_devices"] == "5"
