@@ -41,7 +41,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from dvla.algos.guards import kl_over_group, lr_factor
 from dvla.algos.losses import clipped_policy_loss, masked_mean
@@ -49,6 +48,7 @@ from dvla.algos.optim import all_reduce_small, collective_device, param_groups
 from dvla.config import AlgoConfig, ConfigError
 from dvla.policy import VLAPolicy
 from dvla.distributed.sharding import full_tensor
+from memory.persistent import is_dtensor
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
 
 __all__ = ["Algorithm", "GradSync", "collective_device", "extras_of", "obs_of", "param_groups"]
@@ -369,7 +369,7 @@ class Algorithm(ABC):
         """Clip the gradients' global norm to ``algo.max_grad_norm``; returns the norm before
         (of the whole gradient, over every shard, when sharded)."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        if self.shard_group is not None and any(not isinstance(p, DTensor) for p in self.policy.parameters()):
+        if self.shard_group is not None and any(not is_dtensor(p) for p in self.policy.parameters()):
             raise RuntimeError(
                 f"sharded learner: FSDP did not reduce-scatter the gradients of {type(self.policy).__qualname__} "
                 "(its parameters are still gathered after the backward pass): its forward output exposes no "

@@ -31,23 +31,27 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed._composable import checkpoint
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from memory import runtime
+from memory.persistent import is_dtensor
+
+# FSDP, DTensor and activation checkpointing are imported where a rank shards: they cost 0.6 s
+# of every process's start (sympy, the DTensor op tables), and a tensor can only be a DTensor
+# in a process that imported them (``is_dtensor``).
 
 __all__ = ["checkpoint_activations", "full_state_dict", "full_tensor", "gathered_weights", "is_sharded",
            "learner_bytes", "local_bytes", "shard_learner", "shard_module"]
 
 
 def is_sharded(module: nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
+    fsdp = __import__("sys").modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
-def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+def mixed_precision(precision: str):
     """``bf16``: parameters gathered and computed in bfloat16, gradients reduced in fp32 and
     the master weights and optimizer state kept in fp32; ``fp32``: everything fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if precision == "bf16":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
@@ -69,9 +73,12 @@ def _anchor_distribution(module: nn.Module, args, output):
 
 
 def shard_module(module: nn.Module, group: dist.ProcessGroup, precision: str = "fp32",
-                 units: list[nn.Module] | None = None) -> DeviceMesh:
+                 units: list[nn.Module] | None = None):
     """Shard ``module`` over ``group``: each of ``units`` (its own submodules) first, then the
-    rest. Returns the mesh."""
+    rest. Returns the mesh (a ``DeviceMesh``)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
     device = next(module.parameters()).device
     mesh = DeviceMesh.from_group(group, device.type)
     mp = mixed_precision(precision)
@@ -89,7 +96,7 @@ def full_tensor(t: Tensor) -> Tensor:
     """The whole of ``t``: gathered from every shard when it is a DTensor (a collective: every
     rank of its mesh must call it; on the communication stream, :meth:`memory.runtime.Runtime.collective`),
     else ``t``."""
-    if not isinstance(t, DTensor):
+    if not is_dtensor(t):
         return t
     with runtime.current().collective():
         return t.full_tensor()
@@ -98,14 +105,14 @@ def full_tensor(t: Tensor) -> Tensor:
 def full_state_dict(module: nn.Module) -> dict[str, Tensor]:
     """``module.state_dict()`` with every sharded tensor gathered whole, one at a time, into
     host memory (a collective); the others as they are."""
-    return {k: full_tensor(v).cpu() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+    return {k: full_tensor(v).cpu() if is_dtensor(v) else v for k, v in module.state_dict().items()}
 
 
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard)."""
     total = 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = t.to_local() if is_dtensor(t) else t
         total += local.numel() * local.element_size()
     return total
 
@@ -132,7 +139,9 @@ def gathered_weights(module: nn.Module, dtype: torch.dtype | None = None) -> Ite
 
 def _shard_like(value: Tensor, param: Tensor) -> Tensor:
     """``value`` (a whole tensor shaped like ``param``) cut to ``param``'s placement, locally."""
-    if isinstance(param, DTensor) and not isinstance(value, DTensor) and value.shape == param.shape:
+    if is_dtensor(param) and not is_dtensor(value) and value.shape == param.shape:
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     return value
 
@@ -146,6 +155,8 @@ def checkpoint_activations(policy: nn.Module) -> int:
     if not units:
         raise ValueError(f"algo.activation_checkpointing: {type(policy).__qualname__} names no shard_units() "
                          "(the blocks whose activations would be recomputed)")
+    from torch.distributed._composable import checkpoint
+
     for unit in units:
         checkpoint(unit)
     return len(units)
