@@ -1,67 +1,54 @@
-"""Two "nodes" on one machine: two torchrun invocations joined by c10d rendezvous on
-loopback, each told it is a different host (``DVLA_FAKE_HOSTNAME``). They train
-together; the run must show that weights went down the hierarchical tree (once across
-the hosts, then fanned out locally) and that chunks took ipc on a host and tcp across, and
-every rank must have built what ``--print-rank`` printed for it beforehand."""
+"""Two "nodes" on one machine, as ``examples/multinode.sh --demo`` starts them: two torchrun
+invocations joined by c10d rendezvous on loopback, each told it is a different host
+(``DVLA_FAKE_HOSTNAME``). They train together; the run must show that weights went down the
+hierarchical tree (once across the hosts, then fanned out locally) and that chunks took ipc
+on a host and tcp across, and every rank must have built what ``--print-rank`` printed for it
+beforehand. (The example's own test: one two-node job serves both.)"""
 
 import json
 import os
-import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from dvla.metrics import read_metrics
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.helpers import ROOT
 
 
 @pytest.mark.slow
 def test_two_nodes_train_together_over_the_tree(tmp_path):
-    out = tmp_path / "two_nodes"
-    port = free_port()
-    job = ["--preset", "fast_reach", "run.iterations=30", "env.image_size=16", "env.n_envs=32",
-           "swimlane.env_groups=1", "swimlane.chunks_per_update=2", "run.progress=false", "run.torch_threads=1"]
+    job = ["run.iterations=30", "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=1",
+           "swimlane.chunks_per_update=2", "run.torch_threads=1"]
     # The plans, printed without building anything, for the same job on two hosts of two ranks.
-    printed = subprocess.run([sys.executable, "-m", "dvla.launch", *job, "swimlane.topology=2x2", "--print-rank"],
+    printed = subprocess.run([sys.executable, "-m", "dvla.launch", "--preset", "fast_reach", *job,
+                              "swimlane.topology=2x2", "--print-rank"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert printed.returncode == 0, printed.stderr[-3000:]
     plans = ["rank " + block for block in printed.stdout.strip().split("\nrank ")]
     plans[0] = plans[0].removeprefix("rank ")
-    procs = []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}",
-               "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-               "--rdzv_id=dvla-two-nodes", "-m", "dvla.launch", *job, f"run.out_dir={out.parent}",
-               f"run.name={out.name}"]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "DVLA_FAKE_HOSTNAME": f"node{node}"}
-        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(log[-6000:] for log in logs)
+
+    runs = tmp_path / "multinode"
+    env = {**os.environ, "OUT_DIR": str(runs), "SAVE_EVERY": "10", "PYTHON": sys.executable,
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    demo = subprocess.run(["bash", str(ROOT / "examples" / "multinode.sh"), "--demo", *job], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    text = demo.stdout + demo.stderr
+    assert demo.returncode == 0, text[-6000:]
+    assert "[nodeA]" in text and "[nodeB]" in text and "demo: broadcast tree leaders [0, 2]" in text, text[-3000:]
+    out = runs / "latest"  # the run's own directory under OUT_DIR
     # Rank 0 (on whichever node) logs the hosts and the placement, once; the others stay quiet.
-    text = "\n".join(logs)
     assert text.count("[dvla] topology: 2 hosts, 4 ranks") == 1 and text.count("[dvla] placement:") == 1, text[-6000:]
-    assert text.count(f"outputs: {out}") == 1
+    saved = sorted(p.name for p in (out / "checkpoints").iterdir() if (p / "manifest.json").exists())
+    assert saved and set(saved) <= {"step-00000010", "step-00000020", "step-00000030"}, saved  # save_every=10
 
     s = {0: json.loads((out / "summary.json").read_text())}
     for r in (1, 2, 3):
         s[r] = json.loads((out / f"summary_rank{r}.json").read_text())
     # Two hosts of two ranks each, whichever agent got ranks 0-1.
     hosts = {s[r]["host"] for r in s}
-    assert hosts == {"node0", "node1"} and s[0]["host"] == s[1]["host"] != s[2]["host"] == s[3]["host"]
+    assert hosts == {"nodeA", "nodeB"} and s[0]["host"] == s[1]["host"] != s[2]["host"] == s[3]["host"]
     # What each rank built and ran is what --print-rank printed for it (the host names aside:
     # the topology's host0 is the host of ranks 0-1, here whichever agent got them).
     assert len(plans) == 4, printed.stdout
