@@ -85,8 +85,8 @@ if [ "$SMOKE" -eq 1 ]; then
   step broadcast 120 "$PY" bench/weight_broadcast.py --world 2 --mb 4 --layers 8 --repeats 1
   step memory 120 "$PY" bench/memory_churn.py --iters 20
   step learner 120 "$PY" bench/learner_step.py --size tiny --device cpu --samples 16 --updates 1 --image 32 --fsdp
-  step overlap 120 "$PY" bench/stream_overlap.py --size tiny --device cpu --samples 8 --infer-batch 8 --infer 4 \
-    --updates 2 --image 32 --repeats 1
+  step overlap 120 "$PY" bench/stream_overlap.py --size tiny --device cpu --samples 4 --infer-batch 4 --infer 2 \
+    --updates 1 --image 32 --repeats 1
   step swimlane 240 "$PY" bench/async_vs_sync.py --iterations 2 --envs 8 --image 16 --repeats 1 \
     --render-cost-ms 1 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png"
   step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
