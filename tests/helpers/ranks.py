@@ -222,11 +222,12 @@ def torchrun_workers(agent_pid: int) -> dict[int, int]:
 def torchrun_job(tmp_path: Path, name: str, overrides: list[str], nproc: int = 2, preset: str = "debug",
                  timeout: float = 180) -> Path:
     """``torchrun --standalone -m dvla.launch --preset PRESET OVERRIDES`` with ``nproc``
-    processes, the run in ``tmp_path / name``; fails with the output unless it exits 0.
-    Returns the run directory."""
+    processes, the run in ``tmp_path / name``, one intra-op thread and no TensorBoard files
+    (importing TensorBoard costs about a second of CPU; tests/unit/dvla/test_metrics.py checks
+    what it writes); fails with the output unless it exits 0. Returns the run directory."""
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "dvla.launch", "--preset", preset, "run.torch_threads=1", *overrides,
+           "-m", "dvla.launch", "--preset", preset, "run.torch_threads=1", "run.tensorboard=false", *overrides,
            f"run.out_dir={out.parent}", f"run.name={out.name}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})

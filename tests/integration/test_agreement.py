@@ -27,7 +27,7 @@ def _worker(rank: int, port: int, per_rank: dict[int, list[str]], iterations: in
 
     try:
         dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
-        cfg = apply_overrides(debug(), ["swimlane.learner_ranks=2", "run.torch_threads=1", "run.progress=false",
+        cfg = apply_overrides(debug(), ["swimlane.learner_ranks=2", "run.torch_threads=1", "run.tensorboard=false", "run.progress=false",
                                         f"run.iterations={iterations}", *overrides])
         with installed() as fake:
             try:

@@ -20,7 +20,7 @@ from tests.helpers import ROOT
 @pytest.mark.slow
 def test_two_nodes_train_together_over_the_tree(tmp_path):
     job = ["run.iterations=30", "env.image_size=16", "env.n_envs=32", "swimlane.env_groups=1",
-           "swimlane.chunks_per_update=2", "run.torch_threads=1"]
+           "swimlane.chunks_per_update=2", "run.torch_threads=1", "run.tensorboard=false"]
     # The plans, printed without building anything, for the same job on two hosts of two ranks.
     printed = subprocess.run([sys.executable, "-m", "dvla.launch", "--preset", "fast_reach", *job,
                               "swimlane.topology=2x2", "--print-rank"],

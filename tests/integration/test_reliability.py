@@ -81,7 +81,7 @@ def _torchrun_and_kill(tmp_path: Path, victim: int, at_iter: int, iterations: in
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            "--max-restarts=1", "--monitor-interval=0.5", "-m", "dvla.launch", "--preset", "fast_reach",
            f"run.iterations={iterations}", "run.save_every=1", "env.image_size=16", "env.n_envs=32",
-           "swimlane.colocate=false", "swimlane.env_groups=1", "run.progress=false", "run.torch_threads=1",
+           "swimlane.colocate=false", "swimlane.env_groups=1", "run.progress=false", "run.torch_threads=1", "run.tensorboard=false",
            f"run.out_dir={out.parent}", f"run.name={out.name}"]
     log = open(tmp_path / "torchrun.log", "w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
@@ -150,7 +150,7 @@ def test_a_hung_rollout_rank_is_detected_and_the_run_stops_with_a_report(tmp_pat
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            "--monitor-interval=0.5", "-m", "dvla.launch", "--preset", "fast_reach", "run.iterations=100000",
            "env.image_size=16", "env.n_envs=32", "swimlane.colocate=false", "swimlane.env_groups=1",
-           "data_plane.peer_timeout_s=3", "run.progress=false", "run.torch_threads=1", f"run.out_dir={out.parent}",
+           "data_plane.peer_timeout_s=3", "run.progress=false", "run.torch_threads=1", "run.tensorboard=false", f"run.out_dir={out.parent}",
            f"run.name={out.name}"]
     log_path = tmp_path / "torchrun.log"
     log = open(log_path, "w")

@@ -52,7 +52,7 @@ def test_a_rank_moves_between_rollout_and_learning_mid_run(tmp_path):
 
     run, phase = tmp_path / "roles", tmp_path / "sampling-is-slow"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           "-m", "dvla.launch", "--preset", "debug", "run.torch_threads=1",
+           "-m", "dvla.launch", "--preset", "debug", "run.torch_threads=1", "run.tensorboard=false",
            "swimlane.learner_ranks=2", "swimlane.roles=adaptive", "swimlane.balance_window_s=1",
            "swimlane.broadcast_every=2", "swimlane.max_staleness=2", "algo.update_epochs=1", "env.n_envs=4",
            "env.episode_len=4", "policy.options.learn_wait_ms=300", f"env.options.phase_file={phase}",

@@ -61,7 +61,7 @@ def test_soak_under_backpressure_keeps_memory_bounded(tmp_path):
            "-m", "dvla.launch", "--preset", "fast_reach", "run.iterations=1000000", f"run.time_limit_s={SOAK_S}",
            "env.image_size=32", "env.n_envs=32", "swimlane.colocate=false", "swimlane.queue_size=2",
            "policy.options.learn_wait_ms=250", "swimlane.max_staleness=50", "swimlane.trace=false", "run.progress=false",
-           "run.torch_threads=1", f"run.out_dir={out.parent}", f"run.name={out.name}"]
+           "run.torch_threads=1", "run.tensorboard=false", f"run.out_dir={out.parent}", f"run.name={out.name}"]
     log = open(tmp_path / "soak.log", "w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})

@@ -30,7 +30,7 @@ def torchrun(host, hosts, port: int, out, *overrides: str, extra: tuple[str, ...
         sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2", "--rdzv_backend=c10d",
         f"--rdzv_endpoint={rdzv}:{port}", "--rdzv_id=dvla-two-hosts", f"--local_addr={host.address}", *extra,
         "-m", "dvla.launch", "--preset", "fast_reach", "env.image_size=16", "env.n_envs=32",
-        "swimlane.env_groups=1", "swimlane.chunks_per_update=2", "run.progress=false", "run.torch_threads=1",
+        "swimlane.env_groups=1", "swimlane.chunks_per_update=2", "run.progress=false", "run.torch_threads=1", "run.tensorboard=false",
         f"run.out_dir={out.parent}", f"run.name={out.name}", *overrides])
 
 

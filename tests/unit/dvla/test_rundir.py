@@ -21,7 +21,7 @@ from dvla.state.rundir import (LATEST, choose_run_dir, discard_new_run, find_lat
 def launch(*args, cwd, timeout=180, torchrun=0):
     pre = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
         if torchrun else [sys.executable]
-    proc = subprocess.run([*pre, "-m", "dvla.launch", "--preset", "debug", "run.torch_threads=1", *args], cwd=cwd,
+    proc = subprocess.run([*pre, "-m", "dvla.launch", "--preset", "debug", "run.torch_threads=1", "run.tensorboard=false", *args], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc

@@ -316,7 +316,7 @@ def test_a_default_single_host_job_receives_on_ipc_only(tmp_path):
 
     out = tmp_path / "one_host"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "dvla.launch",
-           "--preset", "debug", "run.torch_threads=1", "run.iterations=3", "swimlane.colocate=false",
+           "--preset", "debug", "run.torch_threads=1", "run.tensorboard=false", "run.iterations=3", "swimlane.colocate=false",
            f"run.out_dir={out.parent}", f"run.name={out.name}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})

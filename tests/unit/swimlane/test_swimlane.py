@@ -560,7 +560,7 @@ def test_three_process_run_learns_over_real_planes(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
            "-m", "dvla.launch", "--preset", "fast_reach", "run.iterations=40", "env.image_size=16",
            "env.n_envs=32", "swimlane.chunks_per_update=2", "swimlane.colocate=false", "run.progress=false",
-           "run.torch_threads=1", "swimlane.take_turns=true", f"run.out_dir={out.parent}", f"run.name={out.name}"]
+           "run.torch_threads=1", "run.tensorboard=false", "swimlane.take_turns=true", f"run.out_dir={out.parent}", f"run.name={out.name}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
@@ -597,7 +597,7 @@ def test_two_learner_ranks_average_gradients_and_finish(tmp_path):
            "-m", "dvla.launch", "--preset", "debug", "run.iterations=8", "swimlane.learner_ranks=2",
            "swimlane.broadcast_every=3", "swimlane.max_staleness=2",
            "data_plane.curve=true",  # chunks encrypted with CurveZMQ
-           "run.torch_threads=1", f"run.out_dir={out.parent}", f"run.name={out.name}"]
+           "run.torch_threads=1", "run.tensorboard=false", f"run.out_dir={out.parent}", f"run.name={out.name}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[:8000]
