@@ -165,3 +165,27 @@ def test_cuda_rollout_copies_into_pinned_buffers_without_waiting_and_record_the_
         if v.dim() >= 2 and v.shape[1] == valid.shape[1] and v.shape[0] in (len(valid), len(valid) + 1):
             got, v = got[: len(valid)][valid], v[: len(valid)][valid]
         assert torch.equal(got, v), k
+
+
+def test_a_lane_stream_takes_the_ends_of_the_devices_priority_range():
+    """The priority range differs by GPU ((0, -1) on many, (0, -5) on Hopper): a high-priority
+    lane stream is made at the range's most urgent end and a low one at its other end, as the
+    runtime reports them (the recording fake, with a Hopper-like range), and the autotune knob
+    moves between the two."""
+    from tests.helpers.fake_runtime import FakeRuntime, installed
+
+    class Hopper(FakeRuntime):
+        def priority_range(self) -> tuple[int, int]:
+            return 0, -5
+
+    with installed(Hopper()):
+        high = LaneStream(torch.device("cpu"), high_priority=True)
+        low = LaneStream(torch.device("cpu"))
+        assert high.can_prioritise and high.high_priority and high.stream.name == "lane-5"
+        assert low.can_prioritise and not low.high_priority and low.stream.name == "lane0"
+        low.set_high_priority(True)
+        assert low.high_priority and low.stream.name == "lane-5"
+        low.set_high_priority(False)
+        assert not low.high_priority and low.stream.name == "lane0"
+    with installed(FakeRuntime()):  # (0, -1): one step apart, still the two ends
+        assert LaneStream(torch.device("cpu"), high_priority=True).stream.name == "lane-1"
