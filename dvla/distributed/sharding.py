@@ -25,6 +25,7 @@ pads with passes that contribute nothing (:class:`dvla.algos.base.Algorithm`).
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Iterator
 
@@ -43,7 +44,7 @@ __all__ = ["checkpoint_activations", "full_state_dict", "full_tensor", "gathered
 
 
 def is_sharded(module: nn.Module) -> bool:
-    fsdp = __import__("sys").modules.get("torch.distributed.fsdp")
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # (not imported: nothing is sharded)
     return fsdp is not None and isinstance(module, fsdp.FSDPModule)
 
 
