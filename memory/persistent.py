@@ -24,7 +24,7 @@ def is_dtensor(t) -> bool:
     return dtensor is not None and isinstance(t, dtensor.DTensor)
 
 
-def _local(t: Tensor) -> Tensor:
+def local_part(t: Tensor) -> Tensor:
     """What this process holds of ``t``: a sharded tensor's (DTensor's) local shard."""
     return t.to_local() if is_dtensor(t) else t
 
@@ -94,7 +94,7 @@ class PersistentPool(_DevicePool):
         return t
 
     def _account(self, t: Tensor, tag: str) -> None:
-        nbytes = _local(t).untyped_storage().nbytes()
+        nbytes = local_part(t).untyped_storage().nbytes()
         self._bytes += nbytes
         self._count += 1
         key = tag or "untagged"
@@ -182,7 +182,7 @@ class PersistentPool(_DevicePool):
                         _device_dtype_check_for_fused(p)  # the error torch would raise later
                     if group.get("capturable") or fused:
                         need += _scalar_dtype(fused).itemsize  # the on-device step counter
-                need += sum(_local(p).numel() * p.element_size() for _ in keys)
+                need += sum(local_part(p).numel() * p.element_size() for _ in keys)
                 plan.append((group, p, bool(state)))
 
         with self._lock:

@@ -47,8 +47,7 @@ from dvla.algos.losses import clipped_policy_loss, masked_mean
 from dvla.algos.optim import all_reduce_small, collective_device, param_groups
 from dvla.config import AlgoConfig, ConfigError
 from dvla.policy import VLAPolicy
-from dvla.distributed.sharding import full_tensor
-from memory.persistent import is_dtensor
+from dvla.distributed.sharding import full_tensor, is_dtensor
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
 
 __all__ = ["Algorithm", "GradSync", "collective_device", "extras_of", "obs_of", "param_groups"]

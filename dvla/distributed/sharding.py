@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from memory import runtime
-from memory.persistent import is_dtensor
+from memory.persistent import is_dtensor, local_part
 
 # FSDP, DTensor and activation checkpointing are imported where a rank shards: they cost 0.6 s
 # of every process's start (sympy, the DTensor op tables), and a tensor can only be a DTensor
@@ -113,7 +113,7 @@ def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor counts its local shard)."""
     total = 0
     for t in tensors:
-        local = t.to_local() if is_dtensor(t) else t
+        local = local_part(t)
         total += local.numel() * local.element_size()
     return total
 
