@@ -11,6 +11,10 @@ also be plausible: a message's ``seq`` only grows, and neither it nor a heartbea
 ``sent`` may run more than ``max_in_flight`` ahead of what arrived from that sender (the
 receiver sets it to :data:`MIN_IN_FLIGHT` plus twice the messages the queues between them
 can hold: ``send_hwm + recv_hwm + recv_queue``).
+A receiver that knows its job's senders (``senders``: the rollout ranks the plan routes to
+it) admits no other name at all: a message or heartbeat under any other name is rejected
+(:data:`UNKNOWN`) before it is bound or recorded, so a stray or hostile connection can
+never own a record, claim counts or be declared dead.
 Rejections are ``(reason, detail)``; the receiver counts them by reason.
 """
 
@@ -31,6 +35,7 @@ socket buffers hold some too)."""
 SPOOFED = "spoofed_sender"
 IMPLAUSIBLE = "implausible_count"
 UNAUTHENTICATED = "unauthenticated"
+UNKNOWN = "unknown_sender"
 
 
 class Bindings:
@@ -65,8 +70,10 @@ class PeerRecords:
     receiver can believe), data messages received and the last ``seq``. The caller holds
     the receiver's lock."""
 
-    def __init__(self, max_in_flight: int):
+    def __init__(self, max_in_flight: int, senders=None):
+        """``senders``: the only names admitted (None: any)."""
         self.max_in_flight = max_in_flight
+        self.senders = None if senders is None else frozenset(senders)
         self.data, self.heartbeats = Bindings(), Bindings()
         self.seen: dict[str, float] = {}
         self.dead: dict[str, float] = {}
@@ -81,6 +88,9 @@ class PeerRecords:
               now: float) -> tuple[str, str] | None:
         """Record one decoded message, or say why it is rejected (nothing recorded then).
         ``on_heartbeats``: it came on the heartbeat socket; ``heartbeat``: its kind."""
+        if self.senders is not None and sender not in self.senders:
+            return UNKNOWN, (f"{user or 'a connection'} claims to be {sender[:40]!r}, which is not a sender of this "
+                             f"job ({', '.join(sorted(self.senders)) or 'none'})")
         bad = (self.heartbeats if on_heartbeats else self.data).check(user, sender)
         if bad is not None:
             return bad

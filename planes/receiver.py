@@ -52,8 +52,11 @@ class TrajectoryReceiver:
     heartbeats and tracks liveness throughout."""
 
     def __init__(self, cfg: DataPlaneConfig | None = None, *, store=None, key: str = "dvla/data/0",
-                 ctx: zmq.Context | None = None, peers_elsewhere: bool = False, rendezvous: str | None = None):
-        """``peers_elsewhere``: senders on other hosts will dial the tcp endpoint;
+                 ctx: zmq.Context | None = None, peers_elsewhere: bool = False, rendezvous: str | None = None,
+                 senders=None):
+        """``senders``: the names of the job's senders to this receiver; messages under any
+        other name are rejected and counted (:mod:`planes.identity`; None admits any name).
+        ``peers_elsewhere``: senders on other hosts will dial the tcp endpoint;
         ``rendezvous``: the host every rank reaches (``MASTER_ADDR``). With them,
         ``cfg.bind_host``/``advertise_host`` resolve (:func:`planes.addresses.endpoint_hosts`)."""
         self.cfg = cfg or DataPlaneConfig()
@@ -80,7 +83,7 @@ class TrajectoryReceiver:
         # Who sent what, bound to connections; counts may run ahead of arrivals by what the
         # queues between a sender and this receiver can hold, and a margin for the kernel's.
         queues = self.cfg.send_hwm + self.cfg.recv_hwm + self.cfg.recv_queue
-        self.peers = PeerRecords(MIN_IN_FLIGHT + 2 * queues)
+        self.peers = PeerRecords(MIN_IN_FLIGHT + 2 * queues, senders)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None

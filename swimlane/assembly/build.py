@@ -362,14 +362,14 @@ def build_data_plane(plan: Chunks, dp: DataPlaneConfig, rank: int, queue_size: i
             bounds = {"max_message_bytes": min(dp.max_message_bytes, limits[0]),
                       "max_frame_bytes": min(dp.max_frame_bytes or dp.max_message_bytes, limits[1])}
         dp_cfg = DataPlaneConfig(**{**dp.__dict__, "recv_queue": queue_size, **bounds})
-        try:
+        expected = [f"rank{r}" for r in plan.senders]
+        try:  # only the plan's senders may own records here
             receiver = TrajectoryReceiver(dp_cfg, store=store, key=f"dvla/data/{rank}",
                                           peers_elsewhere=plan.senders_elsewhere,
-                                          rendezvous=os.environ.get("MASTER_ADDR"))
+                                          rendezvous=os.environ.get("MASTER_ADDR"), senders=expected)
         except (AddressError, DataPlaneConfigError) as exc:
             raise ConfigError(str(exc)) from None
         source = RemoteChunkSource(receiver, fields)
-        expected = [f"rank{r}" for r in plan.senders]
     if plan.routes:
         keys = None
         if dp.curve and dp.curve_keys_dir:

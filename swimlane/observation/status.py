@@ -86,6 +86,9 @@ def render_metrics(snap: dict[str, Any]) -> str:
             m = _PER_RANK.fullmatch(key)
             add(metric_name(m[1] if m else key), "gauge", f"metrics.jsonl's {m[1] + '/rank<N>' if m else key} "
                 "in the latest learner update's record.", v, **({"of_rank": m[2]} if m else {}))
+    for reason, v in snap.get("data_plane_rejected", {}).items():
+        add("dvla_data_plane_rejected_total", "counter", "Messages the data plane's receiver refused, by reason "
+            "(planes.identity, planes.receiver).", v, reason=reason)
     for key, v in snap.get("counters", {}).items():
         add(metric_name(key) + "_total", "counter", f"The run's {key} counter (swimlane.observation.ledger).", v)
     out = []
@@ -235,7 +238,14 @@ def run_snapshot(swim: Any) -> dict[str, Any]:
             "error": str(errors[0]).splitlines()[0] if errors else None,
             "stopping": s.stop_event.is_set() or s.rollout_stop.is_set(),
             "last": {k: rec.get(k) for k in ("iter", "success_rate", "return_mean", "loss", "staleness_mean")},
-            "chunk_accounting": acc, "counters": s.ledger.totals(), "record": dict(rec)}
+            "chunk_accounting": acc, "data_plane_rejected": _plane_rejections(swim),
+            "counters": s.ledger.totals(), "record": dict(rec)}
+
+
+def _plane_rejections(swim: Any) -> dict[str, int]:
+    """What this rank's data-plane receiver refused, by reason ({} without one)."""
+    receiver = getattr(getattr(swim.parts, "source", None), "receiver", None)
+    return dict(receiver.counters.rejected) if receiver is not None else {}
 
 
 def serve_status(swim: Any) -> StatusServer | None:

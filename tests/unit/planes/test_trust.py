@@ -108,6 +108,35 @@ def test_a_spoofed_heartbeat_changes_no_records():
         intruder.close()
 
 
+def test_a_receiver_that_knows_its_senders_admits_no_other_name():
+    """Issue #47, 1: heartbeats under three new names, each claiming 1,000 chunks sent (under
+    the in-flight ceiling, so plausible), and a chunk under a fourth: with the job's senders
+    known, each is rejected as ``unknown_sender`` before it is bound or recorded; only rank1
+    owns a record."""
+    cfg = DataPlaneConfig(**FAST)
+    with TrajectoryReceiver(cfg, senders=["rank1"]) as rx, \
+            TrajectorySender(rx.endpoints, cfg, sender_id="rank1") as tx:
+        source = RemoteChunkSource(rx)
+        tx.send("chunk", {"x": torch.ones(2)})
+        hb, data = _raw(rx.endpoints["hb_ipc"]), _raw(rx.endpoints["ipc"])
+        ghosts = [_raw(rx.endpoints["hb_ipc"]) for _ in range(3)]  # (kept: a closed socket drops what it holds)
+        for i, ghost in enumerate(ghosts):
+            ghost.send_multipart(encode("_hb", {}, {"sender": f"ghost{i}", "seq": -1, "sent": 1000}))
+        data.send_multipart(encode("chunk", {"x": torch.ones(2)}, {"sender": "evil0", "seq": 0, "rank": 1}))
+        assert _until(lambda: (source.get(timeout=0.05), rx.counters.rejected["unknown_sender"] >= 4)[1], 10), \
+            rx.counters.rejected
+        tx.send(END_KIND, {}, {"chunks": 1})
+        assert _until(lambda: (source.get(timeout=0.1), "rank1" in source.ended)[1], 10)
+        assert set(rx.reported_sent) == {"rank1"} and set(rx.live_peers) <= {"rank1"}
+        acc = source.accounting(Ledger().counts, expected=["rank1"])
+        assert acc["sent"] == 1 and acc["unaccounted"] == 0, acc
+        assert not rx.peers.data.owner_of.keys() - {"rank1"}  # no name was bound
+        for ghost in ghosts:
+            ghost.close()
+        hb.close()
+        data.close()
+
+
 def test_a_spoofed_chunk_name_cannot_poison_the_accounting():
     """Junk stamped ``sender=rank1, seq=10**15`` from another connection, or from its own
     name, changes no count: the accounting stays exact (nothing near 1e15, nothing
