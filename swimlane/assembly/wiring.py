@@ -59,7 +59,8 @@ def connect(parts: RankParts, state: RunState, updates: Updates) -> "Lanes":
                                max_staleness=0 if sl.reissue else sl.max_staleness,  # on-policy rounds
                                iterations=s.iterations, stop_rollouts_before_last=sl.mode == "async",
                                spec=parts.chunk_spec, independent=sl.independent_envs,
-                               max_bad_updates=sl.max_bad_updates, poll_s=POLL_S),
+                               max_bad_updates=sl.max_bad_updates, poll_s=POLL_S,
+                               senders=tuple(parts.expected_senders)),
             version=lambda: s.version, finish_update=updates.finish_update, check_health=updates.check_health,
             stall=StallTimer(sl.stall_timeout_s), idle=updates.retry_handoff, stop_rollouts=s.rollout_stop.set,
             activations=updates.activations, turn=turns, throughput=parts.balance.throughput,

@@ -167,8 +167,8 @@ class RemoteChunkSource:
             if msg.kind != CHUNK_KIND:
                 raise ChunkError(f"unexpected message kind {msg.kind!r}")
             rank = msg.meta.get("rank")
-            if rank is not None and msg.sender.startswith("rank") and f"rank{rank}" != msg.sender:
-                raise ChunkError(f"meta claims rank {rank!r}")
+            if rank is not None and f"rank{rank}" != msg.sender:
+                raise ChunkError(f"meta claims rank {str(rank)[:20]!r}, but the chunk came from {msg.sender!r}")
             meta = {**msg.meta, "sender": msg.sender}
             return Chunk(batch_from_tensors(msg.tensors, self.fields), meta, None)
         except ChunkError as exc:

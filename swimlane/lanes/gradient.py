@@ -11,6 +11,7 @@ them in a row stop the run.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
@@ -39,9 +40,16 @@ def env_steps(batch: RolloutBatch, independent: bool = False) -> int:
     return int(batch.valid.any(dim=1).sum()) * batch.num_envs
 
 
+def sender_of(meta: dict) -> str:
+    """Who sent a chunk: the name of the connection it came on (``sender``, set by the
+    data plane, :mod:`planes.identity`), else (in one process) ``rank<N>`` from its meta."""
+    who = meta.get("sender")
+    return str(who if who is not None else f"rank{meta.get('rank')}")[:40]
+
+
 def _names(ranks) -> str:
-    """Sender ranks for a message: sorted, at most 8 (as chunks' meta names them)."""
-    names = sorted({str(r)[:20] for r in ranks})
+    """Senders for a message: sorted, at most 8."""
+    names = sorted({str(r)[:40] for r in ranks})
     return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
 
 
@@ -53,7 +61,8 @@ class GradientConfig:
     stop_rollouts_before_last: bool  # async: nobody consumes what is sampled after the last update's data
     spec: ChunkSpec | None = None  # what a legal chunk looks like (None: no checks)
     max_bad_updates: int = 3  # non-finite updates in a row that stop the run
-    max_rejected: int = 64  # chunks rejected in a row (none usable between) that stop the run
+    max_rejected: int = 64  # a sender's chunks rejected in a row (none usable between) that cut it off
+    senders: tuple[str, ...] = ()  # the job's senders to this learner; the run stops when all are cut off
     independent: bool = False  # chunks of envs on their own clock (how env steps are counted)
     poll_s: float = 0.05
 
@@ -100,35 +109,50 @@ class GradientLane:
         self.turn, self.throughput, self.learning = turn, throughput, learning
         self.consumed_steps = 0
         self.bad_in_a_row = 0
-        self.rejected_in_a_row: dict[str, int] = {}  # reason -> chunks, since the last usable chunk
-        self._senders_rejected: set[Any] = set()  # ranks whose chunks were rejected, since the last usable
+        # sender -> its rejected chunks by reason, since its last usable one
+        self.rejected_in_a_row: dict[str, collections.Counter] = {}
+        self.cut_off: dict[str, str] = {}  # sender -> why its chunks are all dropped
         self._senders: list[Any] = []  # ranks that sent the chunks of the update being collected
         self._bad_senders: set[Any] = set()  # ... of the non-finite updates in a row
         self._pending: tuple[list[RolloutBatch], list[Any]] = ([], [])  # poll(): chunks so far
         self.done = False  # poll(): the last update is made
 
     def reject(self, item) -> bool:
-        """Refuse (counted, logged) a chunk that fails the job's checks."""
+        """Refuse (counted, logged) a chunk that fails the job's checks, or that comes from a
+        sender already cut off. A sender whose last ``max(max_rejected, 4 * need)`` chunks
+        were all refused is cut off: its later chunks are dropped (``rejected_cut_off``) and
+        the run goes on with the other senders; it stops only when every sender of the job
+        is cut off, naming them and why."""
         batch, meta, on_done = item
-        bad = check_chunk(batch, self.cfg.spec, self.version()) if self.cfg.spec is not None else None
+        who = sender_of(meta)
+        if who in self.cut_off:
+            bad = ("cut_off", self.cut_off[who])
+        else:
+            bad = check_chunk(batch, self.cfg.spec, self.version()) if self.cfg.spec is not None else None
         if bad is None:
             return False
         reason, detail = bad
         self.ledger.add(f"rejected_{reason}")
-        n = self.ledger[f"rejected_{reason}"]
-        if n <= 5 or n % 100 == 0:
-            log.error("rejected a chunk from rank %.20r (%s, %d so far): %s", meta.get("rank"), reason, n, detail)
         if on_done is not None:
             on_done()
-        self.rejected_in_a_row[reason] = self.rejected_in_a_row.get(reason, 0) + 1
-        self._senders_rejected.add(str(meta.get("rank"))[:20])
-        in_a_row = sum(self.rejected_in_a_row.values())
+        if reason == "cut_off":
+            return True
+        n = self.ledger[f"rejected_{reason}"]
+        if n <= 5 or n % 100 == 0:
+            log.error("rejected a chunk from %s (%s, %d so far): %s", who, reason, n, detail)
+        run = self.rejected_in_a_row.setdefault(who, collections.Counter())
+        run[reason] += 1
+        in_a_row = sum(run.values())
         if in_a_row >= max(self.cfg.max_rejected, 4 * self.cfg.need):
-            reasons = ", ".join(f"{r}: {n}" for r, n in self.rejected_in_a_row.items())
-            raise RuntimeError(
-                f"every chunk is rejected: the last {in_a_row} in a row ({reasons}), none usable since, from "
-                f"rank(s) {_names(self._senders_rejected)}; the last: {reason}: {detail}. No update can be made: "
-                f"a policy that acts NaN, or rollouts built for another job")
+            reasons = ", ".join(f"{r}: {k}" for r, k in run.items())
+            self.cut_off[who] = f"its last {in_a_row} chunks were all rejected ({reasons}; the last: {detail})"
+            del self.rejected_in_a_row[who]
+            log.error("cut off %s: %s; its further chunks are dropped", who, self.cut_off[who])
+            if not self.cfg.senders or set(self.cfg.senders) <= set(self.cut_off):
+                why = "; ".join(f"{s}: {w}" for s, w in sorted(self.cut_off.items())[:8])
+                raise RuntimeError(
+                    f"every chunk is rejected, every sender is cut off ({why}). No update can be made: "
+                    f"a policy that acts NaN, or rollouts built for another job")
         return True
 
     def accept(self, item, chunks: list[RolloutBatch], releases: list[Any]) -> None:
@@ -150,9 +174,8 @@ class GradientLane:
                 on_done()
             return
         self.stall.progress()  # a chunk the learner can use
-        self.rejected_in_a_row.clear()
-        self._senders_rejected.clear()
-        self._senders.append(meta.get("rank"))
+        self.rejected_in_a_row.pop(sender_of(meta), None)
+        self._senders.append(sender_of(meta))
         self.consumed_steps += steps
         chunks.append(batch)
         releases.append(on_done)
@@ -256,7 +279,7 @@ class GradientLane:
             raise RuntimeError(
                 f"{self.bad_in_a_row} updates in a row had a non-finite loss or gradient (swimlane.max_bad_updates="
                 f"{self.cfg.max_bad_updates}); their steps were skipped and the weights are unchanged since version "
-                f"{self.version() - self.bad_in_a_row}. Their chunks were sent by rank(s) "
+                f"{self.version() - self.bad_in_a_row}. Their chunks were sent by "
                 f"{_names(self._bad_senders) or 'unknown'}. Check the reward scale, "
                 f"the learning rate and those ranks' chunks (counters: {self.ledger.counts})")
 

@@ -31,6 +31,7 @@ COUNTERS: dict[str, str] = {
     "rejected_version": "gradient",
     "rejected_extras": "gradient",
     "rejected_episodes": "gradient",
+    "rejected_cut_off": "gradient",  # chunks of a sender cut off after a run of rejected ones
     "updates_non_finite": "gradient",
     "updates_sat_out": "gradient",  # adaptive roles: updates this learner rank took part in without chunks
     "publish_skipped_busy": "gradient",

@@ -82,7 +82,7 @@ def test_a_startup_failure_discards_the_new_run_and_resume_takes_the_newest_with
 # -- 2: every chunk rejected; senders of non-finite updates -------------------------------------
 
 
-def _lane(monkeypatch, items, algo=None, check=None, stall_s=600.0):
+def _lane(monkeypatch, items, algo=None, check=None, stall_s=600.0, senders=()):
     from swimlane.observation.health import StallTimer, check_stall
     from swimlane.lanes import gradient as L
     from swimlane.observation.ledger import Ledger
@@ -95,7 +95,7 @@ def _lane(monkeypatch, items, algo=None, check=None, stall_s=600.0):
     ledger = Ledger()
     return L.GradientLane(source=source, algo=algo, generator=None, ledger=ledger, tracer=Tracer(False),
                          cfg=L.GradientConfig(need=1, max_staleness=4, iterations=100, stop_rollouts_before_last=False,
-                                             spec=object() if check else None, poll_s=0.0),
+                                             spec=object() if check else None, poll_s=0.0, senders=senders),
                          version=lambda: 0, finish_update=lambda u: False,
                          check_health=lambda stall: check_stall(stall, ledger.counts, 0),
                          stall=StallTimer(stall_s))
@@ -118,6 +118,37 @@ def test_a_policy_whose_every_chunk_is_rejected_stops_soon_and_says_why(monkeypa
     assert time.monotonic() - t0 < 30
     msg = str(err.value)
     assert "every chunk" in msg and "rejected" in msg and "actions holds NaN" in msg and "1" in msg, msg
+
+
+def test_a_sender_whose_every_chunk_is_rejected_is_cut_off_and_the_others_go_on(monkeypatch):
+    """rank1's chunks are all poison, rank2's are fine: rank1 is cut off (its later chunks
+    dropped and counted, the log naming it, never rank2), rank2's chunks keep being
+    consumed, and the run stops only once rank2 is cut off too, naming both senders."""
+    import threading
+
+    poison = {"rank1"}
+
+    def check(batch, spec, version):
+        return ("non_finite", "rewards holds NaN or inf") if batch.who in poison else None
+
+    def chunk(who):
+        c = _chunk()
+        c.who = who
+        return c, {"rank": int(who[-1]), "sender": who}, None
+
+    items = [chunk("rank1") for _ in range(100)] + [chunk("rank2") for _ in range(3)]
+    items += [chunk("rank1") for _ in range(20)] + [chunk("rank2")]
+    lane = _lane(monkeypatch, iter(items), check=check, senders=("rank1", "rank2"))
+    for _ in range(4):
+        assert lane.collect(threading.Event()) is not None  # rank2's four chunks, one per update
+    assert set(lane.cut_off) == {"rank1"} and "rewards holds NaN" in lane.cut_off["rank1"]
+    assert lane.ledger["rejected_non_finite"] == 64 and lane.ledger["rejected_cut_off"] == 100 + 20 - 64
+    poison.add("rank2")
+    more = iter([chunk("rank2") for _ in range(64)])
+    lane.source.get = lambda timeout=0.0: next(more, None)
+    with pytest.raises(RuntimeError, match="every sender is cut off") as err:
+        lane.collect(threading.Event())
+    assert "rank1: its last 64" in str(err.value) and "rank2: its last 64" in str(err.value), err.value
 
 
 def test_non_finite_updates_name_the_chunks_senders(monkeypatch):
