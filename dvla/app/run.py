@@ -10,7 +10,9 @@ once: RL (``dvla train``, :mod:`dvla.app.train`) and the supervised warm start (
 * **One line per error** (:func:`fail`): a mistake in the configuration or the data is one line
   and exit code 2, said once per host; anything else on a job of several ranks is one line
   naming the lost rank and what to run next (exit 1); a new run that failed leaves no
-  directory behind.
+  directory behind. The rank that finds a mistake tells the job (:data:`USER_ERROR_KEY` in
+  the store) before it leaves, so the ranks that then lose it exit 2 without a line of
+  their own instead of reporting it lost.
 * **Signals** (:func:`on_sigterm`) and **leaving** (:func:`leave`, :func:`abandon`): a job
   whose peers may be gone leaves without a teardown barrier.
 """
@@ -33,6 +35,7 @@ from dvla.state.rundir import discard_new_run, pick_run_dir
 
 EXIT_USER_ERROR = 2
 RUN_DIR_KEY = "dvla/run_dir"
+USER_ERROR_KEY = "dvla/user_error"  # set by the rank that found a mistake: the job's others stay quiet
 
 
 class RelayedError(ConfigError):
@@ -143,6 +146,11 @@ def fail(prog: str, exc: BaseException, *, rank: int, world: int, run: RunDir | 
     if run is not None:
         run.discard_if_new(rank)
     err = user_error(exc, kinds)
+    if world > 1 and err is not None and not isinstance(err, RelayedError):
+        _tell_job(rank)
+    elif world > 1 and err is None and not isinstance(exc, KeyboardInterrupt) and not debug and _job_was_told():
+        sys.stdout.flush()
+        abandon(EXIT_USER_ERROR)  # a peer left over a mistake it has already said
     if isinstance(exc, KeyboardInterrupt):
         print(f"{prog}: interrupted{f'; partial results in {run.path}' if run is not None else ''}",
               file=sys.stderr, flush=True)
@@ -162,6 +170,26 @@ def fail(prog: str, exc: BaseException, *, rank: int, world: int, run: RunDir | 
         return code
     sys.stdout.flush()
     abandon(code)
+
+
+def _store():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def _tell_job(rank: int) -> None:
+    try:
+        _store().set(USER_ERROR_KEY, str(rank))
+    except Exception:  # no store (it left with its host): the others report a lost rank
+        pass
+
+
+def _job_was_told() -> bool:
+    try:
+        return bool(_store().check([USER_ERROR_KEY]))
+    except Exception:
+        return False
 
 
 # -- signals and leaving ------------------------------------------------------------------------

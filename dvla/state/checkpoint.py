@@ -285,15 +285,19 @@ class CheckpointManager:
 
     def load_latest(self, map_location: str | torch.device = "cpu") -> Checkpoint | None:
         """The newest checkpoint that verifies; newer broken ones are logged and put in
-        ``self.skipped``. None when there is no checkpoint at all."""
+        ``self.skipped``. None when there is no checkpoint at all; a CheckpointError listing
+        every one when none verifies."""
         self.skipped = []
         paths = self.list()
         for path in reversed(paths):
             try:
-                return self.load(path, map_location)
+                ck = self.load(path, map_location)
             except CheckpointError as e:
-                log.error("skipping checkpoint %s: %s", path, e)
                 self.skipped.append((path, str(e)))
+                continue
+            for skipped, why in self.skipped:  # (when none is valid, the error lists them instead)
+                log.error("skipping checkpoint %s: %s", skipped, why)
+            return ck
         if not paths:
             return None
         listing = "\n".join(f"  {p}: {reason}" for p, reason in self.skipped)

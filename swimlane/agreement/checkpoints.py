@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dvla.state.checkpoint import CheckpointManager, section
+from dvla.state.checkpoint import CheckpointError, CheckpointManager, section
 from dvla.config import ConfigError
 from dvla.normalize import METADATA_KEY as NORM_KEY
 from dvla.distributed.sharding import full_tensor
@@ -89,7 +89,13 @@ class RunCheckpoints:
         """Load the newest valid checkpoint into the policy, reference, optimizer and
         generators. None when there is none on a restart (start from the beginning);
         a requested resume without one is a ConfigError."""
-        ck = self.manager.load_latest()
+        try:
+            ck = self.manager.load_latest()
+        except CheckpointError:  # every one is damaged (each logged by the manager)
+            tried = "; ".join(f"{Path(p).name}: {why.split(': ', 1)[-1]}" for p, why in self.manager.skipped[:4])
+            more = f" and {len(self.manager.skipped) - 4} more" if len(self.manager.skipped) > 4 else ""
+            raise ConfigError(f"run.resume: no valid checkpoint in {self.manager.directory}: all "
+                              f"{len(self.manager.skipped)} tried are damaged ({tried}{more})") from None
         if ck is None:
             if restarts == 0 and required:
                 raise ConfigError(f"run.resume: no checkpoint in {self.manager.directory}")

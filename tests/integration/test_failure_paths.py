@@ -250,6 +250,28 @@ def test_resume_with_another_env_count_is_one_line(tmp_path):
     assert "run.iterations" in line, line
 
 
+@pytest.mark.slow
+def test_no_valid_checkpoint_is_one_line_naming_those_tried_on_one_rank_and_three(tmp_path):
+    """Issue #47, 6: every checkpoint's tensors truncated, then ``--resume``: one line, exit 2,
+    naming each checkpoint tried and what is wrong with it (no traceback, no "skipping" line
+    per checkpoint). On three ranks under torchrun the same line once, and every rank exits
+    2: the ranks that lose rank 0 know it left over a mistake and say nothing."""
+    first = launch_proc("--preset", "debug", "run.iterations=2", "run.save_every=1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = sorted((tmp_path / "runs" / "debug" / "latest" / "checkpoints").iterdir())
+    for ck in checkpoints:
+        (ck / "tensors.safetensors").write_bytes(b"\0" * 100)
+    line = one_line(launch_proc("--preset", "debug", "--resume", "run.save_every=1", cwd=tmp_path))
+    assert "no valid checkpoint" in line and all(f"{ck.name}: tensors.safetensors" in line for ck in checkpoints), line
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+                           "-m", "dvla.launch", "--preset", "debug", "--resume", "run.save_every=1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("dvla")]
+    assert [ln for ln in lines if "error" in ln] == [line], proc.stderr[-4000:]
+    assert proc.stderr.count("exitcode  : 2") == 3, proc.stderr[-4000:]  # torchrun's table: every rank
+
+
 # -- 7: device, encoding, a directory that cannot be written ----------------------------------
 
 
