@@ -154,14 +154,17 @@ class ZapHandler:
 
 def refuse_or_warn_unauthenticated(require_auth: bool, bind_host: str, loopback: bool) -> None:
     """A receiver is about to listen on tcp and admit any key: refused with
-    ``data_plane.require_auth``, else one warning where other hosts can reach it."""
+    ``data_plane.require_auth``, else one warning. On a loopback address too: any process
+    of any user on the host can reach a tcp port there (an ipc socket in a 0700 directory
+    only this user's)."""
     fix = ("make keys with `dvla keys DIR --ranks N` (DIR shared by the hosts) and set data_plane.curve=true "
            "data_plane.curve_keys_dir=DIR data_plane.curve_authorized_dir=DIR/public")
     if require_auth:
         raise DataPlaneConfigError(f"data_plane.require_auth: the data plane would listen on tcp {bind_host} "
                                    f"without authentication; {fix}")
-    if not loopback:
-        log.warning("data plane: UNAUTHENTICATED: listening on tcp %s without data_plane.curve_authorized_dir: "
-                    "any process that reaches this address can connect, send chunks that will be trained on, "
-                    "and claim the name of any rank that has not connected yet; to admit only your ranks, %s "
-                    "(data_plane.require_auth=true refuses to start without them)", bind_host, fix)
+    who = ("any process of any user on this host" if loopback else "any process that reaches this address")
+    log.warning("data plane: UNAUTHENTICATED: listening on tcp %s without data_plane.curve_authorized_dir: "
+                "%s can connect, send chunks that will be trained on, and claim the name of any rank that "
+                "has not connected yet; to admit only your ranks, %s (data_plane.require_auth=true refuses to "
+                "start without them)%s", bind_host, who, fix,
+                "; on one host, data_plane.transport=ipc listens on no port at all" if loopback else "")

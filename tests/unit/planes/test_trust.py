@@ -293,6 +293,16 @@ def test_require_auth_refuses_tcp_without_keys_and_the_warning_names_the_fix(cap
             pass
     warnings = [r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
     assert len(warnings) == 1 and "dvla keys" in warnings[0] and "require_auth" in warnings[0], warnings
+    # Issue #47, 7: a tcp port on loopback is open to every user of the host: the same warning,
+    # and the same refusal.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dvla.planes.data"):
+        with TrajectoryReceiver(DataPlaneConfig(transport="tcp", bind_host="127.0.0.1")) as rx:
+            assert any(v.startswith("tcp://127.0.0.1:") for v in rx.endpoints.values()), rx.endpoints
+    warnings = [r.getMessage() for r in caplog.records if "UNAUTHENTICATED" in r.getMessage()]
+    assert len(warnings) == 1 and "any user on this host" in warnings[0] and "transport=ipc" in warnings[0], warnings
+    with pytest.raises(DataPlaneConfigError, match="require_auth"):
+        TrajectoryReceiver(DataPlaneConfig(transport="tcp", bind_host="127.0.0.1", require_auth=True))
 
 
 ABSURD = {
