@@ -48,7 +48,7 @@ from planes.data import DataPlaneConfig
 from swimlane.assembly.driver import LaneError, SerialDriver, ThreadedDriver
 from swimlane.assembly.parts import assemble
 from swimlane.assembly.state import POLL_S, RunState
-from swimlane.assembly.summary import write_summary
+from swimlane.assembly.summary import claim_attempt, write_summary
 from swimlane.assembly.updates import Updates
 from swimlane.assembly.wiring import connect
 from swimlane.observation.status import serve_status
@@ -127,6 +127,7 @@ class Swimlane:
             dump_yaml(cfg, s.out_dir / "config.yaml")
             if self.parts.policy.normalizer is not None:  # the run's own copy (dvla eval, a resume of an older run)
                 self.parts.policy.normalizer.save(s.out_dir / NORM_FILE)
+            s.attempt = claim_attempt(s.out_dir, s.restarts, s.resumed_from)
         s.started()
         if cfg.swimlane.driver == "serial":
             return self._run_serial()

@@ -25,6 +25,7 @@ class RunState:
         self.iterations = cfg.run.iterations
         self.out_dir = Path(cfg.run.out_dir)
         self.restarts = restarts
+        self.attempt: int | None = None  # rank 0: this attempt's number (swimlane.assembly.summary.claim_attempt)
         self.tracer = Tracer(sl.trace)
         self.ledger = Ledger()  # counters (a resume carries the earlier attempts' totals)
         self.stop_event = threading.Event()  # hard stop: an error, request_stop(), SIGTERM

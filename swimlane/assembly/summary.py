@@ -1,6 +1,11 @@
 """The end of a rank's run: its summary (``summary.json`` on rank 0, ``summary_rankN.json``
 elsewhere, one ``attempts/attemptN.json`` per attempt), its trace, and rank 0's
-``weights.safetensors``. The summary holds the rank's plan as ``--print-rank`` prints it and
+``weights.safetensors``.
+
+Attempts are numbered in the order they started: rank 0 claims ``attemptN.json`` when its
+lanes start (:func:`claim_attempt`, ``"state": "running"``) and replaces it with the
+summary at the end. An attempt that was killed (SIGKILL, a lost host) leaves its claim
+behind, and the next attempt marks it ``"killed"`` before claiming its own number. The summary holds the rank's plan as ``--print-rank`` prints it and
 the same text read back from what the rank built and ran (``plan``, ``built``)."""
 
 from __future__ import annotations
@@ -97,6 +102,42 @@ def summarize(swim, error: str | None = None) -> dict[str, Any]:
     return summary
 
 
+ATTEMPTS = "attempts"
+
+
+def _write_json(path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def _attempts(out_dir) -> dict[int, Any]:
+    folder = out_dir / ATTEMPTS
+    return {int(f.stem[7:]): f for f in folder.glob("attempt*.json") if f.stem[7:].isdigit()} \
+        if folder.is_dir() else {}
+
+
+def claim_attempt(out_dir, restarts: int, resumed_from: int | None = None) -> int:
+    """Rank 0, as its lanes start: the number of this attempt (one more than any before),
+    written down at once as ``attempts/attemptN.json`` (``"state": "running"``). An earlier
+    attempt still ``running`` never ended: it is marked ``"killed"``."""
+    (out_dir / ATTEMPTS).mkdir(parents=True, exist_ok=True)
+    earlier = _attempts(out_dir)
+    for k, path in earlier.items():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and data.get("state") == "running":
+            log.warning("attempt %d ended without a summary (killed, or its host lost); recorded as killed", k)
+            _write_json(path, {**data, "state": "killed", "noticed_unix": time.time()})
+    n = max(earlier, default=-1) + 1
+    _write_json(out_dir / ATTEMPTS / f"attempt{n}.json",
+                {"attempt": n, "state": "running", "restarts": restarts, "resumed_from": resumed_from,
+                 "started_unix": time.time()})
+    return n
+
+
 def write_summary(swim, error: str | None = None) -> dict[str, Any]:
     """The summary of this rank (returned), its trace, and on rank 0 the weights."""
     s, p = swim.state, swim.parts
@@ -121,11 +162,9 @@ def write_summary(swim, error: str | None = None) -> dict[str, Any]:
             save_weights(p.policy, s.out_dir / "weights.safetensors", s.version, whole,
                          **({NORM_KEY: norm.to_json()} if norm is not None else {}))
         (s.out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-        attempts = s.out_dir / "attempts"  # one summary per attempt: torchrun restarts and resumes
-        attempts.mkdir(exist_ok=True)
-        done = [int(f.stem[7:]) for f in attempts.glob("attempt*.json") if f.stem[7:].isdigit()]
-        n = max(s.restarts, max(done, default=-1) + 1)  # after every earlier attempt, kept
-        (attempts / f"attempt{n}.json").write_text(json.dumps(summary, indent=2))
+        n = s.attempt if s.attempt is not None else claim_attempt(s.out_dir, s.restarts)
+        summary["attempt"] = n
+        _write_json(s.out_dir / ATTEMPTS / f"attempt{n}.json", {**summary, "state": "ended"})
     elif s.world_size > 1:
         s.out_dir.mkdir(parents=True, exist_ok=True)
         (s.out_dir / f"summary_rank{s.rank}.json").write_text(json.dumps(summary, indent=2))

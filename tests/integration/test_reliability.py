@@ -74,34 +74,38 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun_and_kill(tmp_path: Path, victim: int, at_iter: int, iterations: int):
-    """Start a 3-process run (rank 0 learns, 1 and 2 sample) that may restart once; when
-    the learner has logged ``at_iter`` updates, SIGKILL rank ``victim``."""
+def _torchrun_and_kill(tmp_path: Path, kills: list[tuple[int, int]], iterations: int):
+    """Start a 3-process run (rank 0 learns, 1 and 2 sample) that may restart once per kill;
+    for the k-th ``(victim, at_iter)`` of ``kills``, once attempt k has claimed its number
+    (``attempts/attempt<k>.json``) and the learner has logged ``at_iter`` updates, SIGKILL
+    rank ``victim`` of that attempt."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
-           "--max-restarts=1", "--monitor-interval=0.5", "-m", "dvla.launch", "--preset", "fast_reach",
+           f"--max-restarts={len(kills)}", "--monitor-interval=0.5", "-m", "dvla.launch", "--preset", "fast_reach",
            f"run.iterations={iterations}", "run.save_every=1", "env.image_size=16", "env.n_envs=32",
            "swimlane.colocate=false", "swimlane.env_groups=1", "run.progress=false", "run.torch_threads=1", "run.tensorboard=false",
            f"run.out_dir={out.parent}", f"run.name={out.name}"]
     log = open(tmp_path / "torchrun.log", "w")
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port())})
-    killed = None
+    killed = []
     try:
         deadline = time.monotonic() + 240
-        while killed is None and time.monotonic() < deadline and proc.poll() is None:
+        while len(killed) < len(kills) and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
+            victim, at_iter = kills[len(killed)]
             metrics = out / "metrics.jsonl"
-            if metrics.exists() and len(metrics.read_text().splitlines()) >= at_iter:
-                killed = _pid_of_rank(proc.pid, victim)
-                os.kill(killed, signal.SIGKILL)
+            if (out / "attempts" / f"attempt{len(killed)}.json").exists() and metrics.exists() \
+                    and len(metrics.read_text().splitlines()) >= at_iter:
+                killed.append(_pid_of_rank(proc.pid, victim))
+                os.kill(killed[-1], signal.SIGKILL)
         rc = proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
         log.close()
     text = (tmp_path / "torchrun.log").read_text()
-    assert killed is not None, text[-4000:]
+    assert len(killed) == len(kills), text[-4000:]
     assert rc == 0, text[-6000:]
     return out
 
@@ -114,31 +118,27 @@ def _pid_of_rank(agent_pid: int, rank: int) -> int:
 
 
 @pytest.mark.slow
-def test_killed_rollout_rank_restarts_resumes_and_counts_the_loss(tmp_path):
-    out = _torchrun_and_kill(tmp_path, victim=2, at_iter=6, iterations=14)
+def test_a_killed_rollout_rank_then_a_killed_learner_restart_resume_and_are_counted(tmp_path):
+    """One job, two SIGKILLs: rollout rank 2 at update 6, then, in the restarted group, the
+    learner at update 10. Each restart resumes from the last checkpoint (one metrics row per
+    update, none repeated); the first attempt's learner accounted for every chunk its senders
+    reported sending (rank 2's lost or in flight, nothing unexplained); the learner's attempt,
+    which could write nothing, is recorded as killed by the next one, so the attempts are
+    numbered in the order they started (issue #47, 8)."""
+    out = _torchrun_and_kill(tmp_path, kills=[(2, 6), (0, 10)], iterations=16)
     final = json.loads((out / "summary.json").read_text())
-    assert final["restarts"] == 1 and final["resumed_from"] >= 6 and final["version"] == 14
+    assert final["restarts"] == 2 and final["resumed_from"] >= 9 and final["version"] == 16
     rows = read_metrics(out / "metrics.jsonl")
-    assert [r["iter"] for r in rows] == list(range(14))  # one row per update, none repeated
-    # The killed attempt's learner accounted for every chunk its senders reported sending:
-    # rank 2's unsent or unreceived chunks show up as lost / in flight, nothing unexplained.
-    first = json.loads((out / "attempts" / "attempt0.json").read_text())
+    assert [r["iter"] for r in rows] == list(range(16))
+    attempts = {p.name: json.loads(p.read_text()) for p in (out / "attempts").iterdir()}
+    assert sorted(attempts) == ["attempt0.json", "attempt1.json", "attempt2.json"], sorted(attempts)
+    first, second, third = (attempts[f"attempt{n}.json"] for n in range(3))
     acc = first["chunk_accounting"]
-    assert first["stopped_early"] and acc["unaccounted"] == 0
+    assert first["state"] == "ended" and first["stopped_early"] and acc["unaccounted"] == 0
     assert acc["sent"] == acc["received"] + acc["lost_dead_peer"] + acc["in_flight_at_exit"]
+    assert second["state"] == "killed" and second["restarts"] == 1 and second["resumed_from"] >= 5, second
+    assert third["state"] == "ended" and third["attempt"] == 2 and third["version"] == 16
     assert final["chunk_accounting"]["unaccounted"] == 0
-    assert final["totals"]["chunks_consumed"] == final["chunk_accounting"]["consumed"] + first["chunks_consumed"] \
-        - (first["version"] - final["resumed_from"])  # updates after the last checkpoint were redone
-
-
-@pytest.mark.slow
-def test_killed_learner_restarts_and_resumes_from_its_checkpoint(tmp_path):
-    out = _torchrun_and_kill(tmp_path, victim=0, at_iter=5, iterations=12)
-    final = json.loads((out / "summary.json").read_text())
-    assert final["restarts"] == 1 and final["resumed_from"] >= 4 and final["version"] == 12
-    rows = read_metrics(out / "metrics.jsonl")
-    assert [r["iter"] for r in rows] == list(range(12))
-    assert not (out / "attempts" / "attempt0.json").exists()  # SIGKILL: no summary, the checkpoint is what survives
 
 
 @pytest.mark.slow
