@@ -48,6 +48,7 @@ from torch import Tensor
 
 from dvla.config import ConfigError, EnvConfig
 from dvla.envs.base import EnvSpec, GoalEnv
+from dvla.envs.genesis_import import import_genesis
 from dvla.types import Observation
 
 HOME_Q = (0.0, -0.785, 0.0, -2.356, 0.0, 1.571, 0.785, 0.04, 0.04)
@@ -105,7 +106,7 @@ def ensure_genesis(device: torch.device) -> None:
     want = "gpu" if device.type == "cuda" else "cpu"
     if not os.environ.get("DISPLAY"):
         os.environ.setdefault("PYOPENGL_PLATFORM", "egl")  # headless camera rendering
-    import genesis as gs
+    gs = import_genesis()
 
     with _init_lock:
         if _backend is None:
