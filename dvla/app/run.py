@@ -13,7 +13,8 @@ once: RL (``dvla train``, :mod:`dvla.app.train`) and the supervised warm start (
   directory behind. The rank that finds a mistake tells the job (:data:`USER_ERROR_KEY` in
   the store) before it leaves, so the ranks that then lose it exit 2 without a line of
   their own instead of reporting it lost.
-* **Signals** (:func:`on_sigterm`) and **leaving** (:func:`leave`, :func:`abandon`): a job
+* **Signals** (:class:`JobStop`) and **leaving** (:func:`leave`, :func:`abandon`): SIGTERM or
+  SIGINT at any rank stops every rank, with a checkpoint, and they leave together; a job
   whose peers may be gone leaves without a teardown barrier.
 """
 
@@ -24,8 +25,10 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -195,17 +198,106 @@ def _job_was_told() -> bool:
 # -- signals and leaving ------------------------------------------------------------------------
 
 
-def on_sigterm(stop: Callable[[], None]) -> list[bool]:
-    """Call ``stop()`` on SIGTERM (a preemption by Slurm or Kubernetes, or torchrun stopping the
-    group); the list it returns holds True once that happened."""
-    stopped: list[bool] = []
+STOP_KEY = "dvla/stop"  # set by the first rank a stop signal reaches: every rank of the job stops
+LEFT_KEY = "dvla/left/"  # + rank: this rank stopped and is about to exit
+LEAVE_WAIT_S = 20.0  # how long a stopped rank waits for the others before it exits anyway
 
-    def handler(*_):
-        stopped.append(True)
-        stop()
 
-    signal.signal(signal.SIGTERM, handler)
-    return stopped
+class JobStop:
+    """SIGTERM or SIGINT, at any rank or at all of them at once (torchrun stopping its group,
+    Slurm or Kubernetes preempting a job, Ctrl-C), stops the whole job as one: the rank the
+    signal reached calls ``stop()`` (:meth:`swimlane.Swimlane.preempt`: rank 0's gradient lane
+    checkpoints on its way out) and says so in the job's store (:data:`STOP_KEY`); every
+    other rank, waiting on that key in a thread of its own (its own store connection,
+    :func:`dvla.distributed.groups.store_client`), stops too. The ranks then leave together
+    (:meth:`leave`), so that none goes while a peer is still in a collective with it. A
+    second SIGINT interrupts at once (KeyboardInterrupt)."""
+
+    def __init__(self, stop: Callable[[], None], rank: int = 0, world: int = 1):
+        self.stop_lanes, self.rank, self.world = stop, rank, world
+        self.by: str | None = None  # what stopped this rank ("SIGTERM at rank 1"), None while running
+        self._lock = threading.Lock()
+        self.store = None
+        if world > 1:
+            from dvla.distributed.groups import store_client
+
+            # The job's store, in a key space of dvla's own: torchrun's agent's, which outlives
+            # every rank; elsewhere the process group's.
+            self.store = store_client() or _store()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        if world > 1:
+            threading.Thread(target=self._watch, name="dvla-job-stop", daemon=True).start()
+
+    @property
+    def stopped(self) -> bool:
+        return self.by is not None
+
+    def _on_signal(self, signum, _frame) -> None:
+        if signum == signal.SIGINT and self.by is not None and self.by.startswith("SIGINT"):
+            raise KeyboardInterrupt  # the second Ctrl-C
+        if self._stop(f"{signal.Signals(signum).name} at rank {self.rank}") and self.world > 1:
+            threading.Thread(target=self._tell, daemon=True).start()  # (a store call may block: not here)
+
+    def _stop(self, why: str) -> bool:
+        with self._lock:
+            if self.by is not None:
+                return False
+            self.by = why
+        self.stop_lanes()
+        return True
+
+    def _tell(self) -> None:
+        try:
+            self.store.set(STOP_KEY, self.by)
+        except Exception:  # no store: the others stop when the lanes lose this rank
+            pass
+
+    def _watch(self) -> None:
+        from dvla.distributed.groups import store_client
+
+        try:
+            client = store_client()  # a connection of its own: a wait holds one
+            if client is None:
+                return  # (no store outlives the ranks here: a stop reaches the others through the lanes)
+            while self.by is None:
+                try:
+                    client.wait([STOP_KEY], timedelta(seconds=600))
+                    break
+                except dist_store_timeout():
+                    continue
+            why = client.get(STOP_KEY).decode()
+        except Exception:  # the store went away (the job is ending): nothing to watch
+            return
+        self._stop(why)
+
+    def job_stopped(self) -> bool:
+        """Whether a rank of the job said it was stopped."""
+        try:
+            return self.world > 1 and bool(self.store.check([STOP_KEY]))
+        except Exception:
+            return False
+
+    def leave(self) -> NoReturn:
+        """A stopped rank's exit: once every rank of the job has stopped (or after
+        :data:`LEAVE_WAIT_S`, when a peer is gone), exit 0 without a teardown barrier."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            store = self.store
+            if not store.check([STOP_KEY]):  # (a peer's stop ended this rank's run: it has said so)
+                store.set(STOP_KEY, self.by or "a stop")
+            store.set(f"{LEFT_KEY}{self.rank}", "1")
+            store.wait([f"{LEFT_KEY}{r}" for r in range(self.world)], timedelta(seconds=LEAVE_WAIT_S))
+        except Exception:  # a peer is gone, or the store with it: leave anyway
+            pass
+        abandon(0)
+
+
+def dist_store_timeout() -> type[BaseException]:
+    import torch.distributed as dist
+
+    return getattr(dist, "DistStoreError", RuntimeError)
 
 
 def abandon(code: int) -> NoReturn:
@@ -217,17 +309,17 @@ def abandon(code: int) -> NoReturn:
         os._exit(code)
 
 
-def leave(world: int, barrier: bool = True) -> int:
-    """The end of a rank that finished: in a job of several, the teardown (a barrier unless
-    ``barrier`` is false, when a peer may be gone) and an exit without the interpreter's own
+def leave(world: int, stop: JobStop | None = None) -> int:
+    """The end of a rank that finished: in a job of several, the teardown (a barrier; after a
+    stop signal :meth:`JobStop.leave` instead) and an exit without the interpreter's own
     teardown (a torch thread still joinable at exit has aborted a rank, SIGABRT, after
     everything was written and the group destroyed)."""
     if world == 1:
         shutdown()
         return 0
+    if stop is not None and (stop.stopped or stop.job_stopped()):
+        stop.leave()  # (a rank whose run ended as a peer's stop ended it, before it heard of the stop)
     sys.stdout.flush()
     sys.stderr.flush()
-    if not barrier:
-        abandon(0)
     shutdown()
     os._exit(0)

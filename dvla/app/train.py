@@ -27,10 +27,10 @@ from typing import Any, NoReturn
 
 from dvla.app.run import (
     EXIT_USER_ERROR,
+    JobStop,
     fail,
     leave,
     local_rank,
-    on_sigterm,
     restarts,
     say_error,
     see_own_gpu,
@@ -155,12 +155,13 @@ def human_summary(summary: dict[str, Any], run_dir: str | os.PathLike) -> str:
                       f"next:    dvla report {run}"])
 
 
-def preempted_line(lanes, summary: dict[str, Any]) -> str:
-    """After a SIGTERM: where the run can be continued from."""
+def preempted_line(lanes, summary: dict[str, Any], by: str = "SIGTERM") -> str:
+    """After a stop signal (``by``: which, and at which rank): where the run can be continued
+    from."""
     checkpoints = lanes.parts.checkpoints
     ckpts = checkpoints.manager.list() if checkpoints is not None else []
     where = f"checkpoint {ckpts[-1]}" if ckpts else "no checkpoint (nothing to resume)"
-    return (f"stopped by SIGTERM at update {summary.get('version', 0)}: {where}; continue with --resume "
+    return (f"stopped by {by} at update {summary.get('version', 0)}: {where}; continue with --resume "
             f"(run.out_dir={Path(lanes.out_dir).parent})")
 
 
@@ -209,7 +210,7 @@ def train(args, cfg) -> int:
         return EXIT_USER_ERROR
     rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
                                 collective_backend=cfg.swimlane.collective_backend)
-    run, stopped = None, []
+    run, stop = None, None
     try:
         run = share_run_dir(cfg.run.out_dir, cfg, rank, world, restarts())
         cfg.run.out_dir = str(run.path)
@@ -221,15 +222,15 @@ def train(args, cfg) -> int:
         lanes = swimlane.Swimlane(cfg, rank=rank, world_size=world)
         if rank == 0:
             log.info("run directory: %s%s", run.path, " (continuing it)" if run.resumed else "")
-        stopped = on_sigterm(lanes.preempt)  # rank 0's gradient lane checkpoints on its way out
+        stop = JobStop(lanes.preempt, rank, world)  # rank 0's gradient lane checkpoints on its way out
         summary = lanes.run()
     except BaseException as exc:
         return fail(PROG, exc, rank=rank, world=world, run=run, debug=args.debug)
     if rank == 0:
         print(human_summary(summary, run.path), flush=True)
-        if stopped:
-            print(preempted_line(lanes, summary), flush=True)
-    return leave(world, barrier=not stopped)  # stopped from outside: a peer may be gone
+        if stop.stopped:
+            print(preempted_line(lanes, summary, stop.by), flush=True)
+    return leave(world, stop)
 
 
 if __name__ == "__main__":

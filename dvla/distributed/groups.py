@@ -72,19 +72,28 @@ def init_from_env(timeout_s: float = 600.0, device: str = "auto", collective_bac
     if resolve_device(device).type == "cuda":  # the rank's one visible GPU (memory.runtime.visible_device_env)
         runtime.for_device(resolve_device(device)).bind_thread()
     timeout = timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent hosts the store and keeps it across restarts of the worker
-        # group: give every attempt a key space of its own, or a restarted group reads
-        # the previous attempt's addresses (gloo then fails to connect to dead ranks).
+    store = store_client(timeout_s)
+    if store is not None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        store = dist.PrefixStore(f"dvla/attempt{attempt}/", agent)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+def store_client(timeout_s: float = 600.0):
+    """Under torchrun, a connection of its own to the job's store (the agent's, which outlives
+    every worker), in this attempt's key space: the store the process group is built on, as
+    another client. None elsewhere (a plain launch, or a store a rank hosts itself)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    # The agent keeps its store across restarts of the worker group: every attempt gets a
+    # key space of its own, or a restarted group reads the previous attempt's addresses
+    # (gloo then fails to connect to dead ranks).
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"dvla/attempt{attempt}/", agent)
 
 
 def uses_nccl() -> bool:
