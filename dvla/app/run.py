@@ -38,7 +38,7 @@ from dvla.state.rundir import discard_new_run, pick_run_dir
 
 EXIT_USER_ERROR = 2
 RUN_DIR_KEY = "dvla/run_dir"
-USER_ERROR_KEY = "dvla/user_error"  # set by the rank that found a mistake: the job's others stay quiet
+USER_ERROR_KEY = "dvla/user_errors"  # ranks that found a mistake: the first says it, the others stay quiet
 
 
 class RelayedError(ConfigError):
@@ -149,17 +149,19 @@ def fail(prog: str, exc: BaseException, *, rank: int, world: int, run: RunDir | 
     if run is not None:
         run.discard_if_new(rank)
     err = user_error(exc, kinds)
+    quiet = False
     if world > 1 and err is not None and not isinstance(err, RelayedError):
-        _tell_job(rank)
+        quiet = not _tell_job()  # the same mistake found by several ranks is said once
     elif world > 1 and err is None and not isinstance(exc, KeyboardInterrupt) and not debug and _job_was_told():
         sys.stdout.flush()
+        _left(rank)
         abandon(EXIT_USER_ERROR)  # a peer left over a mistake it has already said
     if isinstance(exc, KeyboardInterrupt):
         print(f"{prog}: interrupted{f'; partial results in {run.path}' if run is not None else ''}",
               file=sys.stderr, flush=True)
         code = 130
     elif err is not None and not debug:
-        if not isinstance(err, RelayedError) or local_rank() == 0:  # once per host
+        if not quiet and (not isinstance(err, RelayedError) or local_rank() == 0):  # once per host
             say_error(prog, err, rank if world > 1 and not isinstance(err, RelayedError) else None)
         code = EXIT_USER_ERROR
     elif world == 1:
@@ -172,19 +174,39 @@ def fail(prog: str, exc: BaseException, *, rank: int, world: int, run: RunDir | 
     if world == 1:
         return code
     sys.stdout.flush()
+    _left(rank)
     abandon(code)
 
 
+_job_store: list = []
+
+
 def _store():
-    import torch.distributed as dist
+    """The job's store in a key space of dvla's own (one connection per process): torchrun's
+    agent's, which outlives every rank (:func:`dvla.distributed.groups.store_client`);
+    elsewhere the process group's."""
+    if not _job_store:
+        import torch.distributed as dist
 
-    return dist.distributed_c10d._get_default_store()
+        from dvla.distributed.groups import store_client
+
+        _job_store.append(store_client() or dist.distributed_c10d._get_default_store())
+    return _job_store[0]
 
 
-def _tell_job(rank: int) -> None:
+def _tell_job() -> bool:
+    """Count this rank's mistake in the store; True for the first rank of the job to find one."""
     try:
-        _store().set(USER_ERROR_KEY, str(rank))
+        return int(_store().add(USER_ERROR_KEY, 1)) == 1
     except Exception:  # no store (it left with its host): the others report a lost rank
+        return True
+
+
+def _left(rank: int) -> None:
+    """Tell ranks that stopped (:meth:`JobStop.leave`) not to wait for this one."""
+    try:
+        _store().set(f"{LEFT_KEY}{rank}", "failed")
+    except Exception:
         pass
 
 
@@ -217,13 +239,7 @@ class JobStop:
         self.stop_lanes, self.rank, self.world = stop, rank, world
         self.by: str | None = None  # what stopped this rank ("SIGTERM at rank 1"), None while running
         self._lock = threading.Lock()
-        self.store = None
-        if world > 1:
-            from dvla.distributed.groups import store_client
-
-            # The job's store, in a key space of dvla's own: torchrun's agent's, which outlives
-            # every rank; elsewhere the process group's.
-            self.store = store_client() or _store()
+        self.store = _store() if world > 1 else None
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
         if world > 1:
@@ -279,8 +295,8 @@ class JobStop:
             return False
 
     def leave(self) -> NoReturn:
-        """A stopped rank's exit: once every rank of the job has stopped (or after
-        :data:`LEAVE_WAIT_S`, when a peer is gone), exit 0 without a teardown barrier."""
+        """A stopped rank's exit: once every rank of the job has stopped or failed (or after
+        :data:`LEAVE_WAIT_S`, when a peer was killed), exit 0 without a teardown barrier."""
         sys.stdout.flush()
         sys.stderr.flush()
         try:
@@ -291,7 +307,7 @@ class JobStop:
             store.wait([f"{LEFT_KEY}{r}" for r in range(self.world)], timedelta(seconds=LEAVE_WAIT_S))
         except Exception:  # a peer is gone, or the store with it: leave anyway
             pass
-        abandon(0)
+        abandon(EXIT_USER_ERROR if _job_was_told() else 0)  # (the stop came as a peer left over a mistake)
 
 
 def dist_store_timeout() -> type[BaseException]:

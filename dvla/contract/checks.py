@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from dvla.config import from_dict, validate
+from dvla.config import ConfigError, from_dict, validate
 from dvla.distributions import ActionDistribution
 from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, build_policy
 from dvla.types import Observation
@@ -166,17 +166,36 @@ def _extras(c: Context):
     return ", ".join(f"{k} {tuple(v.shape)}" for k, v in declared.items()) or "none"
 
 
-@_check("act", "act() must give actions (B, K, D), finite log-probs (B,) and values (B,): keep the head's "
-        "log-probs finite (clamp log-stds, use log_softmax)", needs=("rollout_extras",))
+ACT_FIX = ("act() must give actions (B, K, D), finite log-probs (B,) and values (B,): keep the head's "
+           "log-probs finite (clamp log-stds, use log_softmax)")
+
+
+class PolicyError(ConfigError):
+    """A policy broke the contract while a job ran it (its first batch of actions, say): a
+    user's mistake, one line."""
+
+
+def act_problem(out: PolicyOutput, batch: int, spec: PolicySpec) -> str | None:
+    """What is wrong with ``act()``'s output for ``batch`` observations (None: nothing):
+    shapes, and finite values. The swimlane's inference lane checks its first batch with it."""
+    k, d = spec.action_chunk, spec.action_dim
+    for what, t, want in (("actions", out.actions, (batch, k, d)), ("log_probs", out.log_probs, (batch,)),
+                          ("values", out.values, (batch,))):
+        if not isinstance(t, Tensor):
+            return f"{what} is a {type(t).__name__}, not a tensor"
+        if tuple(t.shape) != want:
+            return f"{what} has shape {tuple(t.shape)}, not {want}"
+        if not torch.isfinite(t).all():
+            return f"{what} are not finite: {t.flatten()[:6].tolist()}"
+    return None
+
+
+@_check("act", ACT_FIX, needs=("rollout_extras",))
 def _act(c: Context):
     c.out = out = c.policy.act(c.obs, generator=c.gen(c.seed + 3))
-    b, k, d = c.batch, c.spec.action_chunk, c.spec.action_dim
-    for what, t, want in (("actions", out.actions, (b, k, d)), ("log_probs", out.log_probs, (b,)),
-                          ("values", out.values, (b,))):
-        if tuple(t.shape) != want:
-            raise Failed(f"{what} has shape {tuple(t.shape)}, not {want}")
-        if not torch.isfinite(t).all():
-            raise Failed(f"{what} are not finite: {t.flatten()[:6].tolist()}")
+    problem = act_problem(out, c.batch, c.spec)
+    if problem is not None:
+        raise Failed(problem)
     return f"log-probs {[round(float(x), 3) for x in out.log_probs]}"
 
 

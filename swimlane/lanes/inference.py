@@ -10,6 +10,7 @@ from typing import Callable
 
 import torch
 
+from dvla.contract.checks import ACT_FIX, PolicyError, act_problem
 from dvla.types import cat_observations
 from swimlane.lanes.channels import Channel
 from swimlane.lanes.messages import Reply, Request
@@ -17,6 +18,17 @@ from swimlane.lanes.turns import Turns
 from swimlane.lanes.streams import LaneStream, tensors_of
 from swimlane.observation.trace import Tracer
 from swimlane.lanes.weights import DoubleBufferedWeights
+
+
+def check_first_batch(policy, batch: int, out) -> None:
+    """A PolicyError naming the policy when its first actions break the contract (wrong
+    shapes, NaN): at once, before any env steps on them (one check: it synchronises a GPU)."""
+    problem = act_problem(out, batch, policy.spec)
+    if problem is not None:
+        name = policy.registry_name or type(policy).__name__
+        raise PolicyError(f"policy {name!r} ({type(policy).__module__}.{type(policy).__qualname__}) broke the contract "
+                          f"at its first batch of {batch} observations: {problem}. {ACT_FIX}; `dvla check-policy "
+                          f"{name}` runs every check")
 
 
 class InferenceLane:
@@ -43,6 +55,7 @@ class InferenceLane:
         self.wait_s = 0.0  # async: how long a forward pass waits for more groups (swimlane.autotune moves it)
         self.turns = turns or Turns()
         self._lock = threading.Lock()  # one forward pass at a time (the generator, the pool lease)
+        self._checked = False  # the first batch of actions is checked against the policy contract
 
     def poll(self) -> bool:
         """For the serial driver: answer what is waiting, without blocking."""
@@ -94,6 +107,9 @@ class InferenceLane:
         with self.stream.use() if self.stream is not None else contextlib.nullcontext():
             obs = cat_observations([r.obs for r in batch], lease.empty if lease is not None else None)
             out = policy.act(obs, generator=self.generator) if kind == "act" else policy.value(obs)
+            if kind == "act" and not self._checked:
+                check_first_batch(policy, obs.batch_size, out)
+                self._checked = True
         if self.stream is not None:
             self.stream.hand_over(tensors_of(out))
         if lease is not None:
