@@ -44,7 +44,7 @@ from torch import Tensor
 
 from dvla.algos.guards import kl_over_group, lr_factor
 from dvla.algos.losses import clipped_policy_loss, masked_mean
-from dvla.algos.optim import all_reduce_small, collective_device, param_groups
+from dvla.algos.optim import adam, all_reduce_small, collective_device, param_groups
 from dvla.config import AlgoConfig, ConfigError
 from dvla.policy import VLAPolicy
 from dvla.distributed.sharding import full_tensor, is_dtensor
@@ -117,8 +117,7 @@ class Algorithm(ABC):
         parameters are new objects then)."""
         groups = param_groups(self.policy)
         self.params = [p for g in groups for p in g["params"]]
-        opt = torch.optim.AdamW if self.cfg.weight_decay else torch.optim.Adam
-        self.optimizer = opt(groups, lr=self.cfg.lr, eps=1e-5, weight_decay=self.cfg.weight_decay)
+        self.optimizer = adam(groups, lr=self.cfg.lr, eps=1e-5, weight_decay=self.cfg.weight_decay)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]  # what algo.lr_schedule scales
 
     def schedule_lr(self, learner_version: int | None = None) -> float | None:

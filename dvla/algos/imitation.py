@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dvla.algos.base import Algorithm
-from dvla.algos.optim import param_groups
+from dvla.algos.optim import param_groups, without_dynamo_import
 from dvla.config import ConfigError
 from dvla.distributed import allreduce_mean_grads, sum_over_group
 from dvla.distributed.sharding import checkpoint_activations, shard_learner
@@ -47,7 +47,8 @@ class ImitationLearner(Algorithm):
         ``dvla sft`` has always trained; again after sharding (the parameters are new then)."""
         groups = param_groups(self.policy)
         self.params = [p for g in groups for p in g["params"]]
-        self.optimizer = torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.optimizer = without_dynamo_import(torch.optim.AdamW)(groups, lr=self.cfg.lr,
+                                                                 weight_decay=self.cfg.weight_decay)
         self._base_lrs = [g["lr"] for g in self.optimizer.param_groups]
 
     def restart_lrs(self) -> None:

@@ -3,11 +3,64 @@ the learner ranks."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import sys
+
 import torch
 import torch.distributed as dist
 
 from dvla.policy import VLAPolicy
 from memory import runtime
+
+
+def adam(groups, *, lr: float, eps: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The learner's optimizer: ``torch.optim.AdamW`` with weight decay, else ``Adam``, as
+    :func:`without_dynamo_import` makes it."""
+    cls = torch.optim.AdamW if weight_decay else torch.optim.Adam
+    return without_dynamo_import(cls)(groups, lr=lr, eps=eps, weight_decay=weight_decay)
+
+
+_DECORATED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+
+
+@functools.cache
+def without_dynamo_import(cls: type[torch.optim.Optimizer]) -> type[torch.optim.Optimizer]:
+    """``cls`` (``Adam``, ``AdamW``) unchanged in what it computes, but without importing
+    ``torch._dynamo`` before anything compiles.
+
+    torch wraps ``step`` and four other methods of every optimizer so that dynamo never
+    traces them (``torch._disable_dynamo``, graph breaks around ``step``), and each wrapper
+    imports ``torch._dynamo`` on its first call: about a second of CPU at the start of every
+    learner process (40% of a small job's, on two cores), for a compiler dvla's learners do not
+    use. Those wrappers only act while dynamo traces, which needs ``torch._dynamo`` imported.
+    So while it is not, this class calls the methods themselves, and from the moment it is
+    (something compiles) it defers to torch's wrappers, exactly as ``cls`` would. Where
+    torch's methods are not wrapped as expected (another version), ``cls`` is returned as it
+    is. Same name as ``cls`` (checkpoints record the optimizer's type by name)."""
+    raw_step = inspect.unwrap(cls.step)
+    if raw_step is cls.step or any(not hasattr(getattr(cls, m), "__wrapped__") for m in _DECORATED):
+        return cls
+
+    def plain(name: str, raw):
+        wrapped = getattr(cls, name)
+
+        def method(self, *args, **kwargs):
+            if "torch._dynamo" in sys.modules:
+                return wrapped(self, *args, **kwargs)
+            return raw(self, *args, **kwargs)
+
+        return functools.wraps(raw)(method)
+
+    def step(self, closure=None):
+        if "torch._dynamo" in sys.modules:
+            return cls.step(self, closure)
+        with torch.set_grad_enabled(self.defaults["differentiable"]):  # what torch's wrapper sets
+            return raw_step(self, closure)
+
+    body = {name: plain(name, inspect.unwrap(getattr(cls, name))) for name in _DECORATED}
+    body.update(step=functools.wraps(raw_step)(step), __module__=cls.__module__, __qualname__=cls.__qualname__)
+    return type(cls.__name__, (cls,), body)
 
 
 def collective_device(backend: str, device: torch.device) -> torch.device:
