@@ -227,22 +227,32 @@ LEAVE_WAIT_S = 20.0  # how long a stopped rank waits for the others before it ex
 
 class JobStop:
     """SIGTERM or SIGINT, at any rank or at all of them at once (torchrun stopping its group,
-    Slurm or Kubernetes preempting a job, Ctrl-C), stops the whole job as one: the rank the
-    signal reached calls ``stop()`` (:meth:`swimlane.Swimlane.preempt`: rank 0's gradient lane
-    checkpoints on its way out) and says so in the job's store (:data:`STOP_KEY`); every
-    other rank, waiting on that key in a thread of its own (its own store connection,
-    :func:`dvla.distributed.groups.store_client`), stops too. The ranks then leave together
-    (:meth:`leave`), so that none goes while a peer is still in a collective with it. A
-    second SIGINT interrupts at once (KeyboardInterrupt)."""
+    Slurm or Kubernetes preempting a job, Ctrl-C), stops the whole job as one, the way it
+    ends at its last update: a rank other than 0 that gets the signal says so in the job's
+    store (:data:`STOP_KEY`) and goes on; rank 0, waiting on that key in a thread of its own
+    (its own store connection, :func:`dvla.distributed.groups.store_client`), or getting the
+    signal itself, stops (:meth:`swimlane.Swimlane.preempt`: its gradient lane checkpoints on
+    its way out), and its end reaches every other rank as a run's end does (the broadcast's
+    shutdown marker, the learners' ordering), so that no rank leaves a collective its peers
+    are still in. The ranks then leave together (:meth:`leave`). A second SIGINT interrupts
+    at once (KeyboardInterrupt)."""
 
-    def __init__(self, stop: Callable[[], None], rank: int = 0, world: int = 1):
-        self.stop_lanes, self.rank, self.world = stop, rank, world
+    def __init__(self, rank: int = 0, world: int = 1):
+        """Handles the signals from now on; :meth:`attach` names what stops the lanes once
+        they exist (a signal before that stops them as soon as they do)."""
+        self.stop_lanes: Callable[[], None] | None = None
+        self.rank, self.world = rank, world
         self.by: str | None = None  # what stopped this rank ("SIGTERM at rank 1"), None while running
         self._lock = threading.Lock()
-        self.store = _store() if world > 1 else None
+        self.store = None
+        if world > 1:
+            try:
+                self.store = _store()
+            except Exception:  # no process group (yet): a stop then reaches the others through the lanes
+                pass
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        if world > 1:
+        if world > 1 and rank == 0:
             threading.Thread(target=self._watch, name="dvla-job-stop", daemon=True).start()
 
     @property
@@ -252,20 +262,35 @@ class JobStop:
     def _on_signal(self, signum, _frame) -> None:
         if signum == signal.SIGINT and self.by is not None and self.by.startswith("SIGINT"):
             raise KeyboardInterrupt  # the second Ctrl-C
-        if self._stop(f"{signal.Signals(signum).name} at rank {self.rank}") and self.world > 1:
-            threading.Thread(target=self._tell, daemon=True).start()  # (a store call may block: not here)
+        why = f"{signal.Signals(signum).name} at rank {self.rank}"
+        if self.rank == 0:
+            if self.world > 1 and self.by is None:
+                self._tell(why)  # first, so that every rank knows its run's end is a stop's
+            self._stop(why)
+        elif self.by is None:
+            self.by = why  # rank 0 stops the job: its end reaches this rank as a run's end does
+            threading.Thread(target=self._tell, args=(why,), daemon=True).start()  # (a store call may block)
+
+    def attach(self, stop: Callable[[], None]) -> None:
+        with self._lock:
+            self.stop_lanes = stop
+            stopped = self.by is not None
+        if stopped:
+            stop()
 
     def _stop(self, why: str) -> bool:
         with self._lock:
             if self.by is not None:
                 return False
             self.by = why
-        self.stop_lanes()
+            stop = self.stop_lanes
+        if stop is not None:
+            stop()
         return True
 
-    def _tell(self) -> None:
+    def _tell(self, why: str) -> None:
         try:
-            self.store.set(STOP_KEY, self.by)
+            self.store.set(STOP_KEY, why)
         except Exception:  # no store: the others stop when the lanes lose this rank
             pass
 

@@ -210,7 +210,8 @@ def train(args, cfg) -> int:
         return EXIT_USER_ERROR
     rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
                                 collective_backend=cfg.swimlane.collective_backend)
-    run, stop = None, None
+    run = None
+    stop = JobStop(rank, world)  # from here on: a stop signal at any rank stops every rank
     try:
         run = share_run_dir(cfg.run.out_dir, cfg, rank, world, restarts())
         cfg.run.out_dir = str(run.path)
@@ -222,7 +223,7 @@ def train(args, cfg) -> int:
         lanes = swimlane.Swimlane(cfg, rank=rank, world_size=world)
         if rank == 0:
             log.info("run directory: %s%s", run.path, " (continuing it)" if run.resumed else "")
-        stop = JobStop(lanes.preempt, rank, world)  # rank 0's gradient lane checkpoints on its way out
+        stop.attach(lanes.preempt)  # rank 0's gradient lane checkpoints on its way out
         summary = lanes.run()
     except BaseException as exc:
         return fail(PROG, exc, rank=rank, world=world, run=run, debug=args.debug)

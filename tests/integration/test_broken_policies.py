@@ -5,6 +5,7 @@ the rollout ranks find it, the first to do so says it, and the others stay quiet
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -55,13 +56,14 @@ def _the_line(proc, torchrun: bool = False) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("policy, problem", [("nan_vla", "actions are not finite"),
-                                             ("short_vla", "actions has shape (8, 1, 1), not (8, 1, 2)")])
+@pytest.mark.parametrize("policy, problem", [("nan_vla", r"actions are not finite"),
+                                             ("short_vla", r"actions has shape \((\d+), 1, 1\), not \(\1, 1, 2\)")])
 def test_a_policy_that_acts_nan_or_in_the_wrong_shape_is_named_at_its_first_batch(tmp_path, policy, problem):
     proc = _launch(tmp_path, policy)
     assert proc.returncode == 2, proc.stderr[-4000:]
     line = _the_line(proc)
-    assert f"policy {policy!r}" in line and problem in line and "check-policy" in line, line
+    # (the first batch: one env group's requests, or both groups' when they came together)
+    assert f"policy {policy!r}" in line and re.search(problem, line) and "check-policy" in line, line
 
 
 @pytest.mark.slow

@@ -52,10 +52,10 @@ def test_a_signal_at_one_rank_or_all_stops_the_job_with_a_checkpoint_and_exit_0(
             if proc.poll() is None:
                 proc.kill()
         what = f"{sig.name} to rank(s) {ranks}"
-        assert proc.returncode == 0, (what, text[-4000:])
-        assert "Traceback" not in text and "error" not in text.lower(), (what, text[-4000:])
+        assert proc.returncode == 0, f"{what}: exit {proc.returncode}\n{text[-5000:]}"
+        assert "Traceback" not in text and "error" not in text.lower(), f"{what}\n{text[-5000:]}"
         stopped = [ln for ln in text.splitlines() if ln.startswith("stopped by ")]
-        assert len(stopped) == 1 and stopped[0].startswith(f"stopped by {sig.name} at rank "), (what, text[-3000:])
+        assert len(stopped) == 1 and stopped[0].startswith(f"stopped by {sig.name} at rank "), f"{what}\n{text[-3000:]}"
         summary = json.loads((out / "summary.json").read_text())
         ck = CheckpointManager(out / "checkpoints").list()[-1]
         assert int(ck.name.split("-")[1]) == summary["version"] and f"checkpoint {ck}" in stopped[0], (what, stopped)

@@ -116,7 +116,10 @@ def test_action_tokens_cameras_and_lora_travel_under_torchrun(tmp_path):
     trainable = sum(t.numel() * t.element_size() for n, t in named_weights(policy) if n not in frozen)
     everything = sum(t.numel() * t.element_size() for _, t in named_weights(policy))
     assert frozen and trainable < everything / 2
-    assert [r["publish_bytes"] for r in rows] == [everything, trainable, trainable]  # versions 0, 1, 2
+    # A row holds the last version sent when it was written (the broadcast lane may not have
+    # sent the row's own yet): version 0 whole, every later one the trainable part alone.
+    sent = [r["publish_bytes"] for r in rows]
+    assert sent[0] == everything and set(sent) <= {everything, trainable}, sent
     assert summary["broadcast_traffic"]["flat_sent_bytes"] == everything + 3 * trainable  # and version 3
     rollout = json.loads((out / "summary_rank1.json").read_text())
     assert rollout["replica_version"] == 3 and rollout["replica_digest"] == summary["weights_digest"]
