@@ -12,7 +12,8 @@ import pytest
 
 from dvla.app.cli import main as cli
 from dvla.config import JobConfig
-from dvla.config.reference import BEGIN, DOC_PAGE, END, field_docs, reference, rows, write
+from dvla.app.config_ref import env_option_rows, full_reference
+from dvla.config.reference import BEGIN, DOC_PAGE, END, field_docs, rows, write
 from tests.helpers import ROOT
 
 README = ROOT / "README.md"
@@ -24,7 +25,26 @@ def test_config_reference_is_current():
     assert DOC_PAGE == CONFIG_PAGE
     text = CONFIG_PAGE.read_text()
     assert BEGIN in text and "dvla config-ref --write docs/configuration.md" in BEGIN
-    assert reference() in text, "docs/configuration.md is out of date: run `dvla config-ref --write`"
+    assert full_reference() in text, "docs/configuration.md is out of date: run `dvla config-ref --write`"
+
+
+def test_every_option_of_every_shipped_env_is_declared_and_listed():
+    """Each env declares its options (default, type and bounds, what it does) and the
+    reference lists them with what they take (issue #47, 5)."""
+    from dvla.envs.fast import FastReachEnv
+    from dvla.envs.genesis_env import GenesisFrankaEnv
+    from dvla.envs.gym_adapter import GymVectorEnv
+    from dvla.envs.libero_env import LiberoEnv
+    from dvla.envs.options import Option
+
+    listed = {name for name, _, _ in env_option_rows()}
+    for env, cls in (("fast_reach", FastReachEnv), ("genesis_*", GenesisFrankaEnv), ("gym", GymVectorEnv),
+                     ("libero", LiberoEnv)):
+        for key, option in cls.OPTIONS.items():
+            assert isinstance(option, Option) and option.doc, (env, key)
+            assert f"env.options.{key} ({env})" in listed, (env, key)
+    text = full_reference()
+    assert "| `env.options.radius (fast_reach)` | 0.15 | a finite number in (0, 2]: " in text, text[-3000:]
 
 
 def test_every_field_of_every_section_is_listed_with_its_default():
@@ -60,7 +80,7 @@ def test_write_replaces_only_the_marked_block(tmp_path, capsys):
     assert cli(["config-ref", "--write", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith("intro\n") and text.endswith("\noutro\n") and "OLD TABLE" not in text
-    assert reference() in text and not write(doc)  # second write: already current
+    assert full_reference() in text and not write(doc, env_option_rows())  # second write: already current
     assert "updated" in capsys.readouterr().out
 
 
@@ -69,7 +89,7 @@ def test_write_without_a_path_writes_the_docs_page(monkeypatch, tmp_path, capsys
     page.write_text(f"{BEGIN}\nOLD\n{END}\n")
     monkeypatch.setattr("dvla.config.reference.DOC_PAGE", page)
     assert cli(["config-ref", "--write"]) == 0
-    assert reference() in page.read_text() and "updated" in capsys.readouterr().out
+    assert full_reference() in page.read_text() and "updated" in capsys.readouterr().out
 
 
 def test_readme_is_a_short_front_page_with_the_two_commands():

@@ -185,7 +185,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m dvla.launch") -> 
     if args.print_config:
         import yaml
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        from dvla.envs import env_options
+
+        shown = cfg.to_dict()
+        shown["env"]["options"] = env_options(cfg.env)  # every option the env reads, defaults included
+        print(yaml.safe_dump(shown, sort_keys=False), end="")
         return 0
     if args.print_rank:
         try:

@@ -14,7 +14,7 @@ class AlgoConfig:
 
     name: Literal["grpo", "ppo"] = "grpo"
     """``grpo`` (group-relative, critic-free) or ``ppo`` (GAE with a value head)."""
-    lr: float = bounded(3e-4, gt=0)
+    lr: float = bounded(3e-4, gt=0, le=1.0)
     """Adam learning rate."""
     group_size: int = bounded(8, ge=1)
     """GRPO: rollouts per group that start from an identical initial state."""

@@ -23,18 +23,13 @@ class EnvConfig:
     """Square camera resolution in pixels."""
     render: bool = True
     """Produce camera images. When false, images are all zeros (state-only experiments)."""
-    reward_shaping: float = bounded(0.0, ge=0)
+    reward_shaping: float = bounded(0.0, ge=0, le=1e6)
     """Weight of the dense shaping term (progress towards the goal); 0 gives the sparse reward."""
-    success_reward: float = bounded(1.0, ge=0)
+    success_reward: float = bounded(1.0, ge=0, le=1e6)
     """Reward on the step that reaches the goal."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Backend-specific options, validated by the env itself. fast_reach: ``n_targets,
-    max_delta, radius, privileged, render_cost_ms, render_wait_ms, wrist_camera, long_tail,
-    long_tail_cap, phase_after, phase_after_s, phase_file, render_cost_ms_after, render_wait_ms_after,
-    render_python_ms, render_python_ms_after``;
-    genesis: ``max_delta,
-    substeps_per_action, dt, privileged, vis_mode, action_mode``; gym: ``gym_id, instruction, image_key,
-    make_kwargs``; libero: ``suite, task_ids, wrist_size, init_states, settle_steps, workers``."""
+    """Backend-specific options, declared by the env with their types and bounds and checked
+    by it (``dvla.envs.options``); the rows ``env.options.<name> (<env>)`` below list them."""
     rank_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Options of single ranks over ``options``, keyed by global rank (``"2": {render_cost_ms:
     12}``): a heterogeneous cluster, or one rank slowed down on purpose (tests, benches)."""

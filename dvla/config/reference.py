@@ -80,17 +80,18 @@ def rows(cfg: Any | None = None) -> list[tuple[str, str, str]]:
     return out
 
 
-def reference() -> str:
-    """The Markdown table, between the markers."""
+def reference(extra: list[tuple[str, str, str]] = ()) -> str:
+    """The Markdown table, between the markers; ``extra``: further rows (the envs' options,
+    :func:`dvla.envs.options.reference_rows`) after the config's own."""
     lines = ["| field | default | meaning |", "|---|---|---|"]
-    for name, default, doc in rows():
+    for name, default, doc in [*rows(), *extra]:
         doc = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", doc)  # reST roles and literals -> Markdown
         doc = re.sub(r"``([^`]+)``", r"`\1`", doc)
         lines.append(f"| `{name}` | {default} | {doc} |")
     return "\n".join([BEGIN, *lines, END])
 
 
-def write(page: str | Path = DOC_PAGE) -> bool:
+def write(page: str | Path = DOC_PAGE, extra: list[tuple[str, str, str]] = ()) -> bool:
     """Replace the reference between the markers in ``page``; True if the file changed."""
     path = Path(page)
     text = path.read_text()
@@ -98,7 +99,7 @@ def write(page: str | Path = DOC_PAGE) -> bool:
         raise ValueError(f"{path}: no config-reference markers")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    new = head + reference() + tail
+    new = head + reference(extra) + tail
     if new != text:
         path.write_text(new)
     return new != text

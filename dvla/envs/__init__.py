@@ -63,6 +63,15 @@ def check_env_config(cfg: EnvConfig) -> None:
         ENV_CHECKS[cfg.name](cfg)
 
 
+def env_options(cfg: EnvConfig) -> dict:
+    """``env.options`` as the env reads them: every declared option, the given ones over the
+    defaults (``--print-config`` shows these); the given ones alone for an env that declares
+    none."""
+    check_env_config(cfg)
+    got = ENV_CHECKS[cfg.name](cfg) if cfg.name in ENV_CHECKS else None
+    return got if isinstance(got, dict) else dict(cfg.options)
+
+
 def check_option_keys(cfg: EnvConfig, allowed) -> None:
     """A ConfigError naming the first key of ``cfg.options`` not in ``allowed`` (and the allowed ones)."""
     for key in cfg.options:
@@ -80,10 +89,10 @@ def register_builtin(name: str, module: str, cls: str) -> None:
     def env_class():
         return getattr(importlib.import_module(module), cls)
 
-    def check(cfg: EnvConfig) -> None:
+    def check(cfg: EnvConfig) -> dict:
         klass = env_class()
         check_option_keys(cfg, klass.OPTIONS)
-        klass.check_config(cfg)
+        return klass.check_config(cfg)
 
     def factory(cfg: EnvConfig, device: torch.device, seed: int) -> BatchedEnv:
         return env_class()(cfg, device, seed)

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from dvla.config import ConfigError, EnvConfig
+from dvla.envs.options import check_options
 from dvla.types import Observation, StepResult
 
 
@@ -71,20 +72,17 @@ class BatchedEnv(ABC):
         self._t = torch.zeros(self.n_envs, dtype=torch.long, device=self.device)  # decisions of each episode
         self._independent: tuple[int, bool] | None = None  # (group_size, final_obs) when on its own clock
 
-    def _options(self, defaults: dict) -> dict:
-        """``cfg.options`` over ``defaults``; an unknown key is a ConfigError naming the allowed ones."""
-        return self.options_of(self.cfg, defaults)
+    def _options(self, options: dict) -> dict:
+        """``cfg.options`` over the defaults of ``options``, checked; an unknown key is a
+        ConfigError naming the allowed ones."""
+        return self.options_of(self.cfg, options)
 
     @staticmethod
-    def options_of(cfg: EnvConfig, defaults: dict) -> dict:
-        """:meth:`_options` for a config, without an env."""
-        unknown = set(cfg.options) - set(defaults)
-        if unknown:
-            raise ConfigError(
-                f"env.options: unknown option(s) {sorted(unknown)} for {cfg.name}; "
-                f"allowed: {sorted(defaults)}"
-            )
-        return {**defaults, **cfg.options}
+    def options_of(cfg: EnvConfig, options: dict) -> dict:
+        """:meth:`_options` for a config, without an env: ``cfg.options`` over the defaults of
+        ``options`` (the class's ``OPTIONS``), each value checked
+        (:func:`dvla.envs.options.check_options`)."""
+        return check_options(cfg.name, cfg.options, options)
 
     @classmethod
     def spec_for(cls, cfg: EnvConfig) -> EnvSpec | None:

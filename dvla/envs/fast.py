@@ -45,9 +45,11 @@ from torch import Tensor
 
 from dvla.config import ConfigError, EnvConfig
 from dvla.envs.base import EnvSpec, GoalEnv
+from dvla.envs.options import Option
 from dvla.types import Observation
 
 _BURN = bytes(64 << 10)
+MAX_MS = 1000.0  # at most a second of simulated cost per render
 COLORS = {
     "red": (230, 40, 40),
     "blue": (40, 80, 230),
@@ -72,11 +74,31 @@ def _hold_gil(seconds: float) -> None:
 
 
 class FastReachEnv(GoalEnv):
-    OPTIONS = {"n_targets": 1, "max_delta": 0.15, "privileged": False, "radius": 0.15,
-               "render_cost_ms": 0.0, "wrist_camera": 0, "long_tail": 0.0, "long_tail_cap": 20.0,
-               "phase_after": 0, "phase_after_s": 0.0, "render_cost_ms_after": 0.0, "render_wait_ms": 0.0,
-               "render_wait_ms_after": None, "render_python_ms": 0.0, "render_python_ms_after": None,
-               "phase_file": ""}
+    OPTIONS = {
+        "n_targets": Option(1, "coloured targets drawn; the instruction names the one to reach", kind="int",
+                            ge=1, le=len(COLORS)),
+        "max_delta": Option(0.15, "how far the effector moves per control step at full action", gt=0, le=1),
+        "privileged": Option(False, "proprio carries the goal position too", kind="bool"),
+        "radius": Option(0.15, "distance to the target that counts as reaching it", gt=0, le=2),
+        "render_cost_ms": Option(0.0, "CPU work per render, in ms (a costlier simulator)", ge=0, le=MAX_MS),
+        "wrist_camera": Option(0, "side in pixels of a second, close-up camera (0: none)", kind="int", ge=0,
+                               le=1024),
+        "long_tail": Option(0.0, "Pareto shape A of episode slowness (0: none): a few episodes take many times "
+                            "longer", ge=0, le=100),
+        "long_tail_cap": Option(20.0, "the largest slowness of long_tail", ge=1, le=1000),
+        "phase_after": Option(0, "renders before the second phase's costs apply (0: never)", kind="int", ge=0,
+                              le=2**62),
+        "phase_after_s": Option(0.0, "seconds before the second phase (0: never)", ge=0, le=1e7),
+        "render_cost_ms_after": Option(0.0, "render_cost_ms in the second phase", ge=0, le=MAX_MS),
+        "render_wait_ms": Option(0.0, "a wait per render, in ms, without a core (a renderer on its own hardware)",
+                                 ge=0, le=MAX_MS),
+        "render_wait_ms_after": Option(None, "render_wait_ms in the second phase (null: as in the first)", ge=0,
+                                       le=MAX_MS, none=True),
+        "render_python_ms": Option(0.0, "work in Python per render, in ms, holding the GIL", ge=0, le=MAX_MS),
+        "render_python_ms_after": Option(None, "render_python_ms in the second phase (null: as in the first)",
+                                         ge=0, le=MAX_MS, none=True),
+        "phase_file": Option("", "a path: the second phase while the file exists ('': none)", kind="str"),
+    }
     WRIST_VIEW = 0.35  # half-width of the wrist camera's view around the effector
 
     @classmethod
@@ -89,33 +111,7 @@ class FastReachEnv(GoalEnv):
     @classmethod
     def check_config(cls, cfg: EnvConfig) -> dict:
         """``cfg.options`` over the defaults, checked without building an env (ConfigError)."""
-        opts = cls.options_of(cfg, cls.OPTIONS)
-        n = opts["n_targets"]
-        if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= len(COLORS)):
-            raise ConfigError(f"env.options.n_targets: must be an integer in [1, {len(COLORS)}], got {n!r}")
-        for key in ("max_delta", "radius", "render_cost_ms", "long_tail", "render_cost_ms_after", "phase_after_s",
-                    "render_wait_ms", "render_wait_ms_after", "render_python_ms", "render_python_ms_after"):
-            v = opts[key]
-            if v is None and cls.OPTIONS[key] is None:  # an ``_after`` left as in the first phase
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"env.options.{key}: must be a number >= 0, got {v!r}")
-        cap = opts["long_tail_cap"]
-        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 1:
-            raise ConfigError(f"env.options.long_tail_cap: the largest slowness, a number >= 1, got {cap!r}")
-        n = opts["phase_after"]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ConfigError(f"env.options.phase_after: renders before render_cost_ms_after applies (0: never), "
-                              f"got {n!r}")
-        if not isinstance(opts["phase_file"], str):
-            raise ConfigError(f"env.options.phase_file: a path (the second phase while it exists; '': none), "
-                              f"got {opts['phase_file']!r}")
-        w = opts["wrist_camera"]
-        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-            raise ConfigError(f"env.options.wrist_camera: the wrist camera's side in pixels (0: none), got {w!r}")
-        if not isinstance(opts["privileged"], bool):
-            raise ConfigError(f"env.options.privileged: must be true or false, got {opts['privileged']!r}")
-        return opts
+        return cls.options_of(cfg, cls.OPTIONS)
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)

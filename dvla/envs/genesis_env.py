@@ -46,9 +46,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dvla.config import ConfigError, EnvConfig
+from dvla.config import EnvConfig
 from dvla.envs.base import EnvSpec, GoalEnv
 from dvla.envs.genesis_import import import_genesis
+from dvla.envs.options import Option
 from dvla.types import Observation
 
 HOME_Q = (0.0, -0.785, 0.0, -2.356, 0.0, 1.571, 0.785, 0.04, 0.04)
@@ -128,10 +129,18 @@ def ensure_genesis(device: torch.device) -> None:
 class GenesisFrankaEnv(GoalEnv):
     """Common scene and control for the Franka tasks."""
 
-    OPTIONS = {"max_delta": 0.08, "substeps_per_action": 8, "dt": 0.01, "privileged": False,
-               "vis_mode": "collision", "action_mode": "delta"}
     VIS_MODES = ("collision", "visual")
     ACTION_MODES = ("delta", "target")
+    OPTIONS = {
+        "max_delta": Option(0.08, "metres the commanded fingertip moves per control step at full action (delta)",
+                            gt=0, le=0.5),
+        "substeps_per_action": Option(8, "physics steps per control step", kind="int", ge=1, le=100),
+        "dt": Option(0.01, "seconds per physics step", gt=0, le=0.1),
+        "privileged": Option(False, "proprio carries the goal position too", kind="bool"),
+        "vis_mode": Option("collision", "the geometry the camera draws", kind="str", choices=VIS_MODES),
+        "action_mode": Option("delta", "actions move the commanded position (delta) or name it (target)",
+                              kind="str", choices=ACTION_MODES),
+    }
     WORKSPACE_LO, WORKSPACE_HI = (0.25, -0.45, 0.005), (0.85, 0.45, 0.6)  # commanded positions are clamped here
     TARGET_LO, TARGET_HI = (0.3, -0.3, 0.05), (0.75, 0.3, 0.45)  # action_mode=target maps [-1, 1] here
     task_object = "sphere"
@@ -147,18 +156,7 @@ class GenesisFrankaEnv(GoalEnv):
     @classmethod
     def check_config(cls, cfg: EnvConfig) -> dict:
         """``cfg.options`` over the defaults, checked without building a scene (ConfigError)."""
-        opts = cls.options_of(cfg, cls.OPTIONS)
-        sub = opts["substeps_per_action"]
-        if isinstance(sub, bool) or not isinstance(sub, int) or sub < 1:
-            raise ConfigError(f"env.options.substeps_per_action: must be an integer >= 1, got {sub!r}")
-        for key in ("max_delta", "dt"):
-            v = opts[key]
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise ConfigError(f"env.options.{key}: must be a number > 0, got {v!r}")
-        for key, allowed in (("vis_mode", cls.VIS_MODES), ("action_mode", cls.ACTION_MODES)):
-            if opts[key] not in allowed:
-                raise ConfigError(f"env.options.{key}: must be one of {', '.join(allowed)}, got {opts[key]!r}")
-        return opts
+        return cls.options_of(cfg, cls.OPTIONS)
 
     def __init__(self, cfg: EnvConfig, device: torch.device | str = "cpu", seed: int = 0):
         super().__init__(cfg, device, seed)

@@ -24,11 +24,20 @@ from torch import Tensor
 
 from dvla.config import ConfigError, EnvConfig
 from dvla.envs.base import BatchedEnv, EnvSpec
+from dvla.envs.options import Option
 from dvla.types import Observation
 
 
 class GymVectorEnv(BatchedEnv):
-    OPTIONS = {"gym_id": None, "instruction": None, "image_key": None, "make_kwargs": {}}
+    OPTIONS = {
+        "gym_id": Option(None, "the gymnasium env id, or module:EnvId (the module registers it); required",
+                         kind="str", none=True),
+        "instruction": Option(None, "the instruction of every observation (null: 'solve <gym_id>')", kind="str",
+                              none=True),
+        "image_key": Option(None, "for a Dict observation space, the key of its (H, W, 3) image (null: none)",
+                            kind="str", none=True),
+        "make_kwargs": Option({}, "keyword arguments of gymnasium.make_vec", kind="mapping"),
+    }
 
     @classmethod
     def check_config(cls, cfg: EnvConfig) -> dict:
@@ -38,8 +47,6 @@ class GymVectorEnv(BatchedEnv):
         gym_id = opts["gym_id"]
         if not gym_id or not isinstance(gym_id, str):
             raise ConfigError("env.options.gym_id: required for env.name='gym' (e.g. env.options.gym_id=Pendulum-v1)")
-        if not isinstance(opts["make_kwargs"], dict):
-            raise ConfigError(f"env.options.make_kwargs: expected a mapping, got {opts['make_kwargs']!r}")
         try:
             import gymnasium as gym
         except ImportError:

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from dvla.config import ConfigError, EnvConfig
 from dvla.envs.base import BatchedEnv, EnvSpec
+from dvla.envs.options import Option
 from dvla.types import Observation
 from memory import runtime
 
@@ -69,32 +70,30 @@ def render_target(device: torch.device, render: bool = True) -> dict:
 
 
 class LiberoEnv(BatchedEnv):
-    OPTIONS = {"suite": "libero_spatial", "task_ids": [0], "wrist_size": 0, "init_states": "random",
-               "settle_steps": 10, "workers": 0}
+    OPTIONS = {
+        "suite": Option("libero_spatial", "the LIBERO suite", kind="str", choices=SUITES),
+        "task_ids": Option([0], "the suite's tasks, the envs split evenly between them", kind="ints", ge=0, le=9),
+        "wrist_size": Option(0, "side in pixels of the wrist camera (0: none; else at least 8)", kind="int",
+                             ge=0, le=1024),
+        "init_states": Option("random", "initial states: the suite's fixed ones at random or in order, or sampled",
+                              kind="str", choices=("random", "sequential", "sampled")),
+        "settle_steps": Option(10, "no-op steps after a reset, while objects settle", kind="int", ge=0, le=1000),
+        "workers": Option(0, "worker processes that step the envs (0: this process)", kind="int", ge=0, le=256),
+    }
 
     @classmethod
     def check_config(cls, cfg: EnvConfig) -> dict:
         """The options over their defaults, checked without importing LIBERO (ConfigError)."""
         opts = cls.options_of(cfg, cls.OPTIONS)
-        if opts["suite"] not in SUITES:
-            raise ConfigError(f"env.options.suite: {opts['suite']!r} is not one of {', '.join(SUITES)}")
         ids = opts["task_ids"]
         ids = [ids] if isinstance(ids, int) else ids
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ConfigError(f"env.options.task_ids: a task id or a list of them (0..9), got {opts['task_ids']!r}")
         if cfg.n_envs % len(ids):
             raise ConfigError(f"env.options.task_ids: env.n_envs={cfg.n_envs} is not a multiple of "
                               f"{len(ids)} tasks")
-        for key, low in (("wrist_size", 0), ("settle_steps", 0), ("workers", 0)):
-            if not isinstance(opts[key], int) or opts[key] < low:
-                raise ConfigError(f"env.options.{key}: an integer >= {low}, got {opts[key]!r}")
         if opts["wrist_size"] and not 8 <= opts["wrist_size"] <= 1024:
             raise ConfigError(f"env.options.wrist_size: 0 or in [8, 1024], got {opts['wrist_size']}")
         if opts["workers"] > cfg.n_envs:
             raise ConfigError(f"env.options.workers: {opts['workers']} workers for {cfg.n_envs} envs")
-        if opts["init_states"] not in ("random", "sequential", "sampled"):
-            raise ConfigError(f"env.options.init_states: 'random', 'sequential' or 'sampled', "
-                              f"got {opts['init_states']!r}")
         return {**opts, "task_ids": ids}
 
     @classmethod
