@@ -43,7 +43,7 @@ import time
 import torch
 from torch import Tensor
 
-from dvla.config import ConfigError, EnvConfig
+from dvla.config import EnvConfig
 from dvla.envs.base import EnvSpec, GoalEnv
 from dvla.envs.options import Option
 from dvla.types import Observation
