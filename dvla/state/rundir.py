@@ -16,6 +16,7 @@ import itertools
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -125,13 +126,25 @@ def newest_run_with_checkpoint(base: str | os.PathLike) -> Path | None:
     return max(runs, key=_mtime) if runs else None
 
 
+def _holds_results(run: Path) -> bool:
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return True
+    if any((run / name).exists() for name in ("weights.safetensors", "summary.json")):
+        return True
+    checkpoints = run / "checkpoints"
+    return checkpoints.is_dir() and any(checkpoints.iterdir())
+
+
 def discard_new_run(base: str | os.PathLike, run: str | os.PathLike, previous: Path | None) -> None:
-    """Undo :func:`new_run_dir` for a run that failed before writing anything: remove its
-    (empty) directory and point ``latest`` back at ``previous`` (or remove it)."""
+    """Undo :func:`new_run_dir` for a run that failed before it learned anything (no metrics
+    row, checkpoint, weights or summary; what its start wrote, such as ``config.yaml``, goes
+    with it): remove its directory and point ``latest`` back at ``previous`` (or remove it)."""
     base, run = Path(base), Path(run)
-    try:
-        run.rmdir()  # only when empty
-    except OSError:
+    if not run.is_dir() or _holds_results(run):
+        return
+    shutil.rmtree(run, ignore_errors=True)
+    if run.exists():
         return
     if latest_run(base) is None and (base / LATEST).is_symlink():
         if previous is not None and previous.is_dir():

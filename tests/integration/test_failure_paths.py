@@ -275,6 +275,20 @@ def test_no_valid_checkpoint_is_one_line_naming_those_tried_on_one_rank_and_thre
     assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr[-4000:]
 
 
+def test_a_start_that_fails_leaves_no_run_directory_and_latest_where_it_was(tmp_path):
+    """Issue #47, 5: a status endpoint that cannot be served fails the start after the run's
+    directory was made and written to (config, metrics file, attempt): one line, exit 2, and
+    the directory is gone, ``latest`` still at the run before."""
+    first = launch_proc("--preset", "debug", "run.iterations=1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    base = tmp_path / "runs" / "debug"
+    before = sorted(p.name for p in base.iterdir())
+    latest = (base / "latest").resolve()
+    line = one_line(launch_proc("--preset", "debug", "run.status_port=0", "run.status_host=999.1.1.1", cwd=tmp_path))
+    assert "run.status_host" in line, line
+    assert sorted(p.name for p in base.iterdir()) == before and (base / "latest").resolve() == latest
+
+
 # -- 7: device, encoding, a directory that cannot be written ----------------------------------
 
 
