@@ -111,11 +111,11 @@ def test_check_config_validates_components_without_building_them():
         with pytest.raises(ConfigError, match=match or "substeps_per_action"):
             check_config(apply_overrides(get_preset("debug"), [override]))
     genesis = apply_overrides(get_preset("genesis_reach"), ["env.options.substeps_per_action=0"])
-    with pytest.raises(ConfigError, match=r"env\.options\.substeps_per_action: must be an integer >= 1"):
+    with pytest.raises(ConfigError, match=r"env\.options\.substeps_per_action: must be an integer in \[1, 100\]"):
         check_config(genesis)  # genesis itself is not imported
     for override, match in [("env.options.vis_mode=wireframe", r"env\.options\.vis_mode: must be one of collision, visual, got 'wireframe'"),
                             ("env.options.action_mode=joint", r"env\.options\.action_mode: must be one of delta, target, got 'joint'"),
-                            ("env.options.dt=-1", r"env\.options\.dt: must be a number > 0, got -1")]:
+                            ("env.options.dt=-1", r"env\.options\.dt: must be a finite number in \(0, 0\.1\], got -1")]:
         with pytest.raises(ConfigError, match=match):
             check_config(apply_overrides(get_preset("genesis_reach"), [override]))
     gym = apply_overrides(get_preset("debug"), ["env.name=gym", "env.options.gym_id=NoSuchEnv-v3"])
@@ -138,7 +138,7 @@ def test_validation_errors_are_one_line():
     with pytest.raises(ConfigError) as info:
         apply_overrides(get_preset("debug"), ["env.n_envs=-3", "algo.lr=-1"]).validate()
     msg = str(info.value)
-    assert "\n" not in msg and "env.n_envs: must be >= 1" in msg and "algo.lr: must be > 0" in msg
+    assert "\n" not in msg and "env.n_envs: must be >= 1" in msg and "algo.lr: must be in (0, 1.0]" in msg
 
 
 def test_yaml_errors_name_the_file_and_position(tmp_path):
@@ -259,7 +259,7 @@ def test_every_numeric_field_rejects_non_finite_and_out_of_range_values(path, f,
 
 
 @pytest.mark.parametrize("override, message", [
-    ("algo.lr=nan", r"algo\.lr: must be > 0 and finite, got nan"),
+    ("algo.lr=nan", r"algo\.lr: must be in \(0, 1\.0\], got nan"),
     ("algo.max_grad_norm=inf", r"algo\.max_grad_norm: must be > 0 and finite, got inf"),
     ("swimlane.stall_timeout_s=nan", r"swimlane\.stall_timeout_s: must be >= 0 and finite, got nan"),
     ("run.time_limit_s=inf", r"run\.time_limit_s: must be >= 0 and finite, got inf"),
@@ -350,5 +350,5 @@ def test_a_nan_on_the_command_line_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith("dvla: error: ") and "algo.lr: must be > 0 and finite, got nan" in lines[0], lines[0]
+    assert lines[0].startswith("dvla: error: ") and "algo.lr: must be in (0, 1.0], got nan" in lines[0], lines[0]
     assert not proc.stdout.strip()  # no config printed

@@ -245,8 +245,8 @@ def test_bad_options_are_one_line_errors():
                       ({"camera": 1}, "unknown option")]:
         with pytest.raises(ConfigError, match=match):
             check(**kw)
-    with pytest.raises(ConfigError, match="task 12 is not in libero_spatial"):
-        make_env(libero_cfg(2, task_ids=[12]))
+    with pytest.raises(ConfigError, match=r"task_ids: must be an integer or a list of them in \[0, 9\], got \[12\]"):
+        check(task_ids=[12])  # every suite has ten tasks: refused before any env is built
 
 
 @pytest.mark.slow
