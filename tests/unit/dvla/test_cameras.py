@@ -27,7 +27,7 @@ def test_fast_reach_declares_and_renders_a_wrist_camera_of_its_own_size():
     white = wrist.float().min(dim=1).values  # (B, 8, 8): high only where all channels are
     assert bool((white[:, 3:5, 3:5].amax(dim=(1, 2)) >= white.amax(dim=(1, 2)) - 1).all())
     assert "wrist" in obs.images and obs.images["image"] is obs.image
-    with pytest.raises(ConfigError, match="env.options.wrist_camera: the wrist camera's side in pixels"):
+    with pytest.raises(ConfigError, match=r"env.options.wrist_camera: must be an integer in \[0, 1024\], got -2"):
         make_env(EnvConfig(name="fast_reach", options={"wrist_camera": -2}))
 
 
