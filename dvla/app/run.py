@@ -220,7 +220,7 @@ def _job_was_told() -> bool:
 # -- signals and leaving ------------------------------------------------------------------------
 
 
-STOP_KEY = "dvla/stop"  # set by the first rank a stop signal reaches: every rank of the job stops
+STOP_KEY = "dvla/stop"  # set by the first rank a stop signal reaches: rank 0 then stops the job
 LEFT_KEY = "dvla/left/"  # + rank: this rank stopped and is about to exit
 LEAVE_WAIT_S = 20.0  # how long a stopped rank waits for the others before it exits anyway
 
@@ -278,15 +278,14 @@ class JobStop:
         if stopped:
             stop()
 
-    def _stop(self, why: str) -> bool:
+    def _stop(self, why: str) -> None:
         with self._lock:
             if self.by is not None:
-                return False
+                return
             self.by = why
             stop = self.stop_lanes
         if stop is not None:
             stop()
-        return True
 
     def _tell(self, why: str) -> None:
         try:
@@ -305,7 +304,7 @@ class JobStop:
                 try:
                     client.wait([STOP_KEY], timedelta(seconds=600))
                     break
-                except dist_store_timeout():
+                except _store_timeout():
                     continue
             why = client.get(STOP_KEY).decode()
         except Exception:  # the store went away (the job is ending): nothing to watch
@@ -335,7 +334,7 @@ class JobStop:
         abandon(EXIT_USER_ERROR if _job_was_told() else 0)  # (the stop came as a peer left over a mistake)
 
 
-def dist_store_timeout() -> type[BaseException]:
+def _store_timeout() -> type[BaseException]:
     import torch.distributed as dist
 
     return getattr(dist, "DistStoreError", RuntimeError)

@@ -49,7 +49,7 @@ from dvla.envs.options import Option
 from dvla.types import Observation
 
 _BURN = bytes(64 << 10)
-MAX_MS = 1000.0  # at most a second of simulated cost per render
+MAX_MS = 1000  # at most a second of simulated cost per render
 COLORS = {
     "red": (230, 40, 40),
     "blue": (40, 80, 230),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dvla.config import ConfigError
+from dvla.config.rules import describe_range
 
 KINDS = ("int", "float", "bool", "str", "ints", "mapping")
 
@@ -54,15 +55,9 @@ class Option:
         return text + (" (or null)" if self.none else "")
 
     def _range(self) -> str:
-        lo = ("[", self.ge) if self.ge is not None else ("(", self.gt) if self.gt is not None else None
-        hi = (self.le, "]") if self.le is not None else (self.lt, ")") if self.lt is not None else None
-        if lo and hi:
-            return f" in {lo[0]}{_num(lo[1])}, {_num(hi[0])}{hi[1]}"
-        if lo:
-            return f" {'>=' if lo[0] == '[' else '>'} {_num(lo[1])}"
-        if hi:
-            return f" {'<=' if hi[1] == ']' else '<'} {_num(hi[0])}"
-        return ""
+        bounds = {k: v for k in ("ge", "gt", "le", "lt") if (v := getattr(self, k)) is not None}
+        text = describe_range(bounds, is_float=False)  # (finiteness is in "a finite number")
+        return f" {text}" if text else ""
 
     def check(self, name: str, value: Any) -> Any:
         """``value``, checked (an int where a float is asked becomes a float)."""
@@ -97,10 +92,6 @@ class Option:
             return False
         return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
                 and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else repr(x)
 
 
 def _shown(value: Any) -> str:

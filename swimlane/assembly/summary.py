@@ -1,12 +1,12 @@
 """The end of a rank's run: its summary (``summary.json`` on rank 0, ``summary_rankN.json``
 elsewhere, one ``attempts/attemptN.json`` per attempt), its trace, and rank 0's
-``weights.safetensors``.
+``weights.safetensors``. The summary holds the rank's plan as ``--print-rank`` prints it and
+the same text read back from what the rank built and ran (``plan``, ``built``).
 
 Attempts are numbered in the order they started: rank 0 claims ``attemptN.json`` when its
 lanes start (:func:`claim_attempt`, ``"state": "running"``) and replaces it with the
 summary at the end. An attempt that was killed (SIGKILL, a lost host) leaves its claim
-behind, and the next attempt marks it ``"killed"`` before claiming its own number. The summary holds the rank's plan as ``--print-rank`` prints it and
-the same text read back from what the rank built and ran (``plan``, ``built``)."""
+behind, and the next attempt marks it ``"killed"`` before claiming its own number."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any
 
 from dvla.distributed.sharding import full_state_dict
 from dvla.normalize import METADATA_KEY as NORM_KEY
+from dvla.state.atomic_io import save_text
 from dvla.state.checkpoint import all_finite, save_weights, weights_digest
 from swimlane.assembly.parts import as_built
 from swimlane.assembly.plan import format_plan
@@ -106,9 +107,7 @@ ATTEMPTS = "attempts"
 
 
 def _write_json(path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
+    save_text(json.dumps(data, indent=2), path)
 
 
 def _attempts(out_dir) -> dict[int, Any]:

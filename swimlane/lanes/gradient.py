@@ -174,8 +174,9 @@ class GradientLane:
                 on_done()
             return
         self.stall.progress()  # a chunk the learner can use
-        self.rejected_in_a_row.pop(sender_of(meta), None)
-        self._senders.append(sender_of(meta))
+        who = sender_of(meta)
+        self.rejected_in_a_row.pop(who, None)
+        self._senders.append(who)
         self.consumed_steps += steps
         chunks.append(batch)
         releases.append(on_done)
