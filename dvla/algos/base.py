@@ -47,7 +47,7 @@ from dvla.algos.losses import clipped_policy_loss, masked_mean
 from dvla.algos.optim import adam, all_reduce_small, collective_device, param_groups
 from dvla.config import AlgoConfig, ConfigError
 from dvla.policy import VLAPolicy
-from dvla.distributed.sharding import full_tensor, is_dtensor
+from dvla.distributed.sharding import full_tensor, is_dtensor, reshard
 from dvla.types import CAMERAS_PREFIX, EXTRAS_PREFIX, Observation, RolloutBatch
 
 __all__ = ["Algorithm", "GradSync", "collective_device", "extras_of", "obs_of", "param_groups"]
@@ -245,8 +245,7 @@ class Algorithm(ABC):
         recompute_all = not self.behaviour_exact  # bf16 replicas: no step has its proximal log-prob
         n_all, stale_all = self._agree(n, int(stale.sum()) if stale is not None else 0)
         if n_all == 0:
-            self._follow()
-            return {"samples": 0.0}
+            return {"samples": 0.0, **({} if self._follow() else {"non_finite_distribution": 1.0})}
         if self.shard_group is not None:  # every rank makes the passes of the largest share
             first = torch.zeros(1, dtype=torch.long, device=device)
             self._dummy = self._flatten(batch, adv, ret, at=(first, first))
@@ -304,6 +303,9 @@ class Algorithm(ABC):
         self.policy.eval()
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["samples"] = float(n)
+        chunk = min(-(-n_all // self.cfg.minibatches), self.cfg.micro_batch or n_all)
+        if not self._distribution_finite(data, min(n, chunk)):
+            out["non_finite_distribution"] = 1.0  # the gradient lane stops before publishing
         if self.cfg.target_kl > 0:  # the step that crossed the target is not taken (its stats count)
             out.update(kl_early_stop=float(self._stopping), minibatches_stepped=float(stepped))
         if lr_f is not None:
@@ -315,23 +317,52 @@ class Algorithm(ABC):
         out.update(extra)
         return out
 
-    def follow(self, learner_version: int | None = None) -> None:
+    def follow(self, learner_version: int | None = None) -> dict[str, float]:
         """An update without samples, on a learner of several: take part in each of its
         optimizer steps (``update_epochs`` x ``minibatches``, fewer where the target KL stops
         it) with no gradient of its own, and apply the others' averaged gradient at the same
         learning rate, so its weights and optimizer state stay those of the learners that had
-        samples (a learner that switches roles, ``swimlane.roles``)."""
+        samples (a learner that switches roles, ``swimlane.roles``). Returns the update's
+        diagnostics that concern this learner too (``non_finite_distribution``)."""
         self.schedule_lr(learner_version)
-        self._follow()
+        return {} if self._follow() else {"non_finite_distribution": 1.0}
 
-    def _follow(self) -> None:
+    def _follow(self) -> bool:
+        """The steps of an update without samples; whether the learners' distributions
+        stayed finite (:meth:`_distribution_finite`, where this learner has nothing to check)."""
         if self.grad_sync is None:
-            return
+            return True
         self._stopping = False
         for _ in range(self.cfg.update_epochs * self.cfg.minibatches):
             self._empty_step()
             if self._stopping:
                 break
+        return self._agree_finite(True)
+
+    @torch.no_grad()
+    def _distribution_finite(self, data: dict[str, Tensor], rows: int) -> bool:
+        """Whether the updated weights still give a finite distribution (the log-probs of the
+        recorded actions and the entropy) on the first ``rows`` steps of the batch they just
+        learned from, agreed over the learners. Finite weights can still overflow it (a
+        log-std pushed to 100, logits 1e38 apart); such weights must never be published.
+        One forward pass, under the training passes' autocast; a sharded learner without
+        rows makes a padding pass, as every learner must take part in FSDP's gathers."""
+        ok = True
+        with self._autocast():
+            if rows:
+                got = self._evaluate({k: v[:rows] for k, v in data.items()})
+                ok = bool(torch.isfinite(got.log_probs).all()) and bool(torch.isfinite(got.entropy).all())
+            elif self.shard_group is not None:
+                self._evaluate(self._dummy)
+        reshard(self.policy)  # (no backward follows: the gathered weights go)
+        return self._agree_finite(ok)
+
+    def _agree_finite(self, ok: bool) -> bool:
+        """``ok`` on every learner (a collective over the learners where there are several)."""
+        group = self.shard_group if self.shard_group is not None else self.learner_group
+        if group is None:
+            return ok
+        return all_reduce_small([int(not ok)], torch.int64, group, self.policy.device, dist.ReduceOp.MAX)[0] == 0
 
     def _empty_step(self) -> None:
         """A minibatch with no samples (fewer valid steps than minibatches): contribute

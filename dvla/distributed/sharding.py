@@ -40,7 +40,7 @@ from memory.persistent import is_dtensor, local_part
 # in a process that imported them (``is_dtensor``).
 
 __all__ = ["checkpoint_activations", "full_state_dict", "full_tensor", "gathered_weights", "is_sharded",
-           "learner_bytes", "local_bytes", "shard_learner", "shard_module"]
+           "learner_bytes", "local_bytes", "reshard", "shard_learner", "shard_module"]
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -91,6 +91,14 @@ def shard_module(module: nn.Module, group: dist.ProcessGroup, precision: str = "
     # them, which nothing here does.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     return mesh
+
+
+def reshard(module: nn.Module) -> None:
+    """Free the whole parameters a forward pass without a backward one leaves gathered: FSDP
+    keeps the root module's after its forward, for the backward that usually follows (no-op
+    on a module that is not sharded)."""
+    if is_sharded(module):
+        module.reshard()
 
 
 def full_tensor(t: Tensor) -> Tensor:

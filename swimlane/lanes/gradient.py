@@ -246,8 +246,7 @@ class GradientLane:
             if chunks:
                 learn = self.algo.update(batch, self.generator, learner_version=self.version())
             else:
-                self.algo.follow(self.version())
-                learn = {"samples": 0.0}
+                learn = {"samples": 0.0, **self.algo.follow(self.version())}
                 self.ledger.add("updates_sat_out")
         senders, self._senders = self._senders, []
         self.check_finite(learn, senders)
@@ -266,7 +265,15 @@ class GradientLane:
     def check_finite(self, learn: dict[str, float], senders: list[Any] = ()) -> None:
         """Count an update whose optimizer steps were skipped for a non-finite loss or
         gradient; stop the run after ``max_bad_updates`` of them in a row, naming the ranks
-        that sent their chunks (``senders``)."""
+        that sent their chunks (``senders``). An update whose weights are finite but make the
+        policy's distribution NaN or inf on the batch it learned from stops the run at once:
+        its weights are never published nor checkpointed."""
+        if learn.get("non_finite_distribution"):
+            raise RuntimeError(
+                f"the update from version {self.version()} made the policy's action distribution NaN or inf on "
+                f"the batch it learned from (its weights are finite: a learning rate, algo.lr={self.algo.cfg.lr}, "
+                f"or a reward scale too large for this model?); not published, stopping: the weights published "
+                f"and checkpointed are those of version {self.version()} and before (counters: {self.ledger.counts})")
         if not learn.get("non_finite_steps", 0.0):
             self.bad_in_a_row = 0
             self._bad_senders.clear()

@@ -143,3 +143,29 @@ def test_weights_that_are_not_finite_are_never_published(tmp_path):
     with pytest.raises(LaneError, match="the weights of version 0 hold NaN or inf: not published"):
         lanes.run()
     assert lanes.parts.weights.latest_version < 0 and lanes.counters["publishes"] == 0
+
+
+def test_an_update_that_overflows_the_distribution_is_never_published(tmp_path):
+    """Finite weights can still make the policy's distribution NaN: an update whose first
+    optimizer step leaves the action head's biases 3e38 apart (finite, so the snapshot's own
+    check passes; their softmax is not) stops the run before its version is published or
+    checkpointed, and what was published before stays."""
+    lanes = Swimlane(cfg_for(tmp_path, "run", "run.save_every=1"))
+    step, poisoned = lanes.algo.optimizer.step, []
+
+    def diverging(*args, **kwargs):
+        out = step(*args, **kwargs)
+        if lanes.counters["publishes"] == 2 and not poisoned:  # in the update from version 1
+            with torch.no_grad():
+                bias = lanes.policy.action_head.bias
+                bias[0::2], bias[1::2] = 3e38, -3e38
+            poisoned.append(True)
+        return out
+
+    lanes.algo.optimizer.step = diverging
+    with pytest.raises(LaneError, match=r"the update from version 1 made the policy's action distribution NaN or inf"):
+        lanes.run()
+    assert poisoned and torch.isfinite(lanes.policy.action_head.bias).all()
+    assert lanes.counters["publishes"] == 2 and lanes.parts.weights.latest_version == 1
+    saved = [int(p.name.split("-")[1]) for p in lanes.parts.checkpoints.manager.list()]
+    assert saved and max(saved) <= 1, saved
