@@ -4,7 +4,6 @@ imports no torch._dynamo until something else does (then torch's own wrappers ru
 import subprocess
 import sys
 
-import pytest
 
 SCRIPT = r'''
 import sys
