@@ -152,13 +152,17 @@ class ZapHandler:
         return [b"1.0", request_id, status, text, user, b""]
 
 
+KEYS_FIX = ("make keys with `dvla keys DIR --ranks N` (DIR shared by the hosts) and set data_plane.curve=true "
+            "data_plane.curve_keys_dir=DIR data_plane.curve_authorized_dir=DIR/public")
+"""What a job without keys on tcp needs, as the warning and the refusals say it."""
+
+
 def refuse_or_warn_unauthenticated(require_auth: bool, bind_host: str, loopback: bool) -> None:
     """A receiver is about to listen on tcp and admit any key: refused with
     ``data_plane.require_auth``, else one warning. On a loopback address too: any process
     of any user on the host can reach a tcp port there (an ipc socket in a 0700 directory
     only this user's)."""
-    fix = ("make keys with `dvla keys DIR --ranks N` (DIR shared by the hosts) and set data_plane.curve=true "
-           "data_plane.curve_keys_dir=DIR data_plane.curve_authorized_dir=DIR/public")
+    fix = KEYS_FIX
     if require_auth:
         raise DataPlaneConfigError(f"data_plane.require_auth: the data plane would listen on tcp {bind_host} "
                                    f"without authentication; {fix}")

@@ -38,7 +38,7 @@ from dvla.state.rundir import discard_new_run, pick_run_dir
 
 EXIT_USER_ERROR = 2
 RUN_DIR_KEY = "dvla/run_dir"
-USER_ERROR_KEY = "dvla/user_errors"  # ranks that found a mistake: the first says it, the others stay quiet
+USER_ERROR_KEY = "dvla/user_errors"  # ranks that found a mistake: the first of each host says it, the others stay quiet
 
 
 class RelayedError(ConfigError):
@@ -195,9 +195,14 @@ def _store():
 
 
 def _tell_job() -> bool:
-    """Count this rank's mistake in the store; True for the first rank of the job to find one."""
+    """Count this rank's mistake in the store; True for the first rank of its host to find
+    one (so each host's log says why its ranks stopped, once)."""
+    from launch.topology import host_name
+
     try:
-        return int(_store().add(USER_ERROR_KEY, 1)) == 1
+        store = _store()
+        store.add(USER_ERROR_KEY, 1)
+        return int(store.add(f"{USER_ERROR_KEY}/{host_name()}", 1)) == 1
     except Exception:  # no store (it left with its host): the others report a lost rank
         return True
 

@@ -47,7 +47,8 @@ from dvla.metrics import truncate_metrics
 from swimlane.agreement.checkpoints import Resumed, RunCheckpoints, resume_learner
 from swimlane.adaptation.imbalance import RankBalance
 from swimlane.agreement.ordering import CollectiveOrder
-from swimlane.assembly.plan import Broadcast, Chunks, Groups as PlannedGroups, Pools, RankPlan, Route, Stream, plan_rank
+from swimlane.assembly.plan import (Broadcast, Chunks, Groups as PlannedGroups, Pools, RankPlan, Route, Stream, check_job,
+                                    plan_rank)
 from swimlane.lanes.streams import LaneStream
 from swimlane.lanes.validate import ChunkSpec
 
@@ -92,6 +93,7 @@ def plan_of(cfg: JobConfig, rank: int = 0, world_size: int = 1) -> tuple[RankPla
     placement it was made from."""
     check_world(cfg.swimlane, world_size)
     topology, placement = place_ranks(cfg.swimlane, rank, world_size)
+    check_job(cfg, topology, placement)
     return plan_rank(cfg, rank, topology, placement, resolve_device(cfg.run.device)), topology, placement
 
 

@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
+from dvla.config import ConfigError
 from launch.placement import Placement
 from launch.topology import Topology
 from memory import runtime
+from planes.zap import KEYS_FIX
 
 LANES = ("gradient", "broadcast", "inference", "sampling")  # in start order
 LANE_ROLES = {  # what each lane does on a rank
@@ -174,6 +176,33 @@ def _chunks(cfg, rank: int, topology: Topology, placement: Placement, routes: di
     return Chunks(**out)
 
 
+def check_job(cfg, topology: Topology, placement: Placement) -> None:
+    """What the placement makes impossible, refused on every rank alike before anything is
+    built (each host can then say it, not only the rank that would have failed)."""
+    idle = [lr for lr in placement.learners if not placement.senders_of(lr)]
+    if idle and cfg.swimlane.roles != "adaptive":  # (adaptive: every learner takes any rollout rank's chunks)
+        raise ConfigError(f"swimlane.learner_ranks: learner rank(s) {', '.join(map(str, idle))} would get chunks "
+                          f"from no rollout rank ({len(placement.rollout)} rollout rank(s) for "
+                          f"{len(placement.learners)} learners); add processes, lower swimlane.learner_ranks, or "
+                          f"set swimlane.colocate=true or swimlane.roles=adaptive")
+    if cfg.data_plane.require_auth and (ranks := unauthenticated_tcp(cfg, topology, placement)):
+        raise ConfigError(f"data_plane.require_auth: the chunks of rank(s) {', '.join(map(str, ranks))} would "
+                          f"cross tcp without authentication; {KEYS_FIX}")
+
+
+def unauthenticated_tcp(cfg, topology: Topology, placement: Placement) -> list[int]:
+    """The rollout ranks whose chunks would cross tcp to a receiver that admits any key (no
+    ``data_plane.curve_authorized_dir``): what ``data_plane.require_auth`` refuses (a
+    learner's receiver refuses it too, but only the learner's host would then know why)."""
+    if cfg.data_plane.curve_authorized_dir is not None or placement.world_size == 1:
+        return []
+    from swimlane.adaptation.roles import initial_routes
+
+    routes = initial_routes(cfg.swimlane, placement)
+    return [r for r in placement.rollout
+            if any(route.transport == "tcp" for route in _chunks(cfg, r, topology, placement, routes).routes)]
+
+
 def plan_rank(cfg, rank: int, topology: Topology, placement: Placement,
               device: torch.device | str = "cpu") -> RankPlan:
     """The plan of ``rank`` in a job of ``cfg`` placed by ``placement`` on ``topology``
@@ -288,6 +317,7 @@ def plans_for(cfg, world_size: int = 1) -> list[RankPlan]:
     topology = (from_spec(sl.topology) if sl.topology else local_topology() if world_size == 1
                 else from_spec([world_size]))
     placement = place(topology, sl.learner_ranks, sl.colocate)
+    check_job(cfg, topology, placement)
     available = runtime.current().available()
     device = torch.device("cpu" if cfg.run.device == "auto" and not available
                           else "cuda:0" if cfg.run.device in ("auto", "cuda") else cfg.run.device)

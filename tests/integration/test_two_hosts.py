@@ -35,6 +35,14 @@ def torchrun(host, hosts, port: int, out, *overrides: str, extra: tuple[str, ...
 
 
 def run_both(cmds: list[list[str]], cwd, timeout: float = 300) -> list[str]:
+    """Each host's output, once both exited 0."""
+    rcs, logs = launch_both(cmds, cwd, timeout)
+    assert rcs == [0] * len(cmds), "\n=====\n".join(log[-6000:] for log in logs)
+    return logs
+
+
+def launch_both(cmds: list[list[str]], cwd, timeout: float = 300) -> tuple[list[int], list[str]]:
+    """Each host's exit code and output."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.getcwd()}
     env.pop("MASTER_ADDR", None), env.pop("MASTER_PORT", None)
     procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -49,8 +57,7 @@ def run_both(cmds: list[list[str]], cwd, timeout: float = 300) -> list[str]:
             logs.append(p.communicate()[0] + f"\n[killed after {timeout} s]")
     for p in procs[len(logs):]:
         logs.append(p.communicate()[0])
-    assert all(p.returncode == 0 for p in procs), "\n=====\n".join(log[-6000:] for log in logs)
-    return logs
+    return [p.returncode for p in procs], logs
 
 
 def test_two_hosts_train_over_a_real_link(two_hosts, tmp_path):
@@ -105,6 +112,24 @@ def test_two_hosts_train_over_a_real_link(two_hosts, tmp_path):
     success = [r["success_rate"] for r in read_metrics(out / "metrics.jsonl")]
     first, last = sum(success[:6]) / 6, sum(success[-6:]) / 6
     assert last > first + 0.2, (first, last)
+
+
+def test_require_auth_without_keys_stops_each_host_with_one_line(two_hosts, tmp_path):
+    """``data_plane.require_auth=true`` on two hosts and no keys: every rank refuses at its
+    plan, before any socket or collective, and each host's log says why once, with the fix;
+    no rank is reported lost, none prints a traceback of its own."""
+    port = random.randrange(40000, 50000)
+    rcs, logs = launch_both([torchrun(h, two_hosts, port, tmp_path / "no_keys", "data_plane.require_auth=true")
+                             for h in two_hosts.hosts], tmp_path, timeout=120)
+    text = "\n=====\n".join(log[-4000:] for log in logs)
+    assert rcs == [1, 1], text  # torchrun's own code for failed workers (each exited 2, its table says)
+    for log in logs:
+        lines = [ln for ln in log.splitlines() if ln.startswith("dvla:")]
+        assert "lost" not in log and "Failed to recv" not in log and log.count("Traceback") == 1, text
+        assert "exitcode  : 2" in log and "exitcode  : 1" not in log, text
+        assert len(lines) == 1 and "data_plane.require_auth" in lines[0] and "dvla keys" in lines[0], text
+        assert "the chunks of rank(s) 2, 3 would cross tcp without authentication" in lines[0], lines[0]
+    assert not (tmp_path / "no_keys").exists()  # a failed start leaves no run directory
 
 
 def test_killing_one_hosts_ranks_restarts_and_resumes_across_both(two_hosts, tmp_path):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from dvla.config import apply_overrides
+from dvla.config import ConfigError, apply_overrides
 from dvla.config.presets import debug, fast_reach
 from launch.placement import place
 from launch.topology import from_spec
@@ -111,3 +111,17 @@ def test_a_live_rank_builds_and_starts_what_its_plan_names(tmp_path):
     summary = swim.run()
     assert set(summary["lane_utilization"]) == set(swim.plan.lanes)
     assert summary["built"] == summary["plan"] == format_plan(swim.plan)
+
+
+@pytest.mark.parametrize("overrides, problem", [
+    (["swimlane.topology=1x3", "swimlane.colocate=false"],
+     r"learner rank\(s\) 1 would get chunks from no rollout rank \(1 rollout rank\(s\) for 2 learners\)"),
+    (["data_plane.require_auth=true"],
+     r"data_plane.require_auth: the chunks of rank\(s\) 2, 3 would cross tcp without authentication; make keys"),
+])
+def test_a_job_its_placement_cannot_run_is_refused_at_the_plan(overrides, problem):
+    """Refused on every rank alike, before anything is built: a learner that no rollout rank
+    sends to, and ``require_auth`` where chunks would cross tcp without keys."""
+    with pytest.raises(ConfigError, match=problem):
+        _plans(*overrides)
+    assert _plans()  # the job itself plans
