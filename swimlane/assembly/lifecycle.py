@@ -37,6 +37,7 @@ An exception in any lane stops the run and is re-raised by :meth:`Swimlane.run` 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -111,7 +112,22 @@ class Swimlane:
 
     def preempt(self) -> None:
         """SIGTERM: stop every lane; rank 0's gradient lane checkpoints the current version
-        on its way out, within ``_PREEMPT_GRACE_S``."""
+        on its way out, within ``_PREEMPT_GRACE_S``. A learner of several asks the learners to
+        end together after the next update instead (each is in the others' collectives), as
+        at ``run.iterations``: a normal end, whose checkpoint every learner takes part in. A
+        second signal, or no update within ``_PREEMPT_GRACE_S``, stops the lanes at once."""
+        s = self.state
+        if self.cfg.swimlane.learner_ranks > 1 and self.plan.learner and not s.stop_asked:
+            s.preempted = s.stop_asked = True
+            timer = threading.Timer(_PREEMPT_GRACE_S, self._preempt_now)
+            timer.daemon = True
+            timer.start()
+            return
+        self._preempt_now()
+
+    def _preempt_now(self) -> None:
+        if self.state.learner_done.is_set():
+            return
         self.state.preempted = True
         self.driver.grace_s = max(self.driver.grace_s, _PREEMPT_GRACE_S)
         self.state.request_stop()

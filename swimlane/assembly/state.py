@@ -38,6 +38,9 @@ class RunState:
         self.env_steps = self.ledger.carried_env_steps  # consumed over all learners, all attempts
         self.time_up = False  # run.time_limit_s reached
         self.preempted = False  # SIGTERM: checkpoint on the way out
+        # SIGTERM on a job of several learners: they agree on it at the next update and end
+        # there together (as at run.iterations), since none can leave the others' collectives.
+        self.stop_asked = self.stop_agreed = False
         self.last_good_version = self.version  # the newest version whose weights were finite when checked
         self.learning = rank == 0 or sl.roles == "fixed"  # this rank learns in the next update
         self.history: list[dict] = []  # rank 0: every update's metrics record

@@ -64,9 +64,11 @@ class Updates:
         s, ckpt = self.state, self.parts.checkpoints
         if not s.preempted or s.rank != 0 or ckpt is None or s.version == 0:
             return
+        if any(p.name == ckpt.manager.path_for(s.version).name for p in ckpt.manager.list()):
+            return  # (the learners ended together at this version, and saved it)
         if self.cfg.sharded_learners:  # a save gathers from every learner, which may be gone
             log.warning("preempted: sharded learners write no checkpoint on the way out")
-        elif not any(p.name == ckpt.manager.path_for(s.version).name for p in ckpt.manager.list()):
+        else:
             self.save_checkpoint()
 
     # -- after each update --------------------------------------------------------------------
@@ -97,7 +99,7 @@ class Updates:
         s.history.append(self.metrics.log(s.version - 1, m))
         if lead and self.on_update is not None:
             self.on_update(s.history[-1])
-        last = s.version == s.iterations or s.time_up
+        last = s.version == s.iterations or s.time_up or s.stop_agreed
         every = self.cfg.run.save_every
         if (lead or sharded) and ((every and s.version % every == 0) or last):
             self.save_checkpoint()
@@ -115,10 +117,11 @@ class Updates:
         s, limit = self.state, self.cfg.run.time_limit_s
         time_up = float(bool(limit) and time.perf_counter() - s.start_time >= limit)
         totals = episode_totals(batch) if batch is not None else dict.fromkeys(EPISODE_TOTALS, 0.0)  # sat out
-        stats = {**totals, "env_steps": float(steps_total), "time_up": time_up}
-        if self.sl.learner_ranks > 1:  # learners agree on when the time is up
+        stats = {**totals, "env_steps": float(steps_total), "time_up": time_up, "stop_asked": float(s.stop_asked)}
+        if self.sl.learner_ranks > 1:  # learners agree on when the time is up, or a signal asks them to end
             stats = sum_over_group(stats, self.parts.groups.learner)
         s.time_up = stats.pop("time_up") > 0
+        s.stop_agreed = stats.pop("stop_asked") > 0
         steps = s.ledger.carried_env_steps + round(stats.pop("env_steps"))
         return episode_means(stats), steps
 
