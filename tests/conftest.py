@@ -93,6 +93,18 @@ def every_dtype_tensors() -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.fixture(scope="session")
+def launcher():
+    """``launcher.run(module, args, cwd=...)``: ``python -m module args`` forked from a process
+    that imported torch and dvla once (:mod:`tests.helpers.forks`), for tests of what a command
+    prints and leaves, not of what it imports."""
+    from tests.helpers.forks import Launcher
+
+    forks = Launcher()
+    yield forks
+    forks.close()
+
+
 @pytest.fixture
 def two_hosts():
     """Two network namespaces joined by a veth pair (``tests/helpers/netns.py``), removed after the

@@ -24,9 +24,13 @@ from dvla.metrics import truncate_metrics
 from swimlane.observation.trace import Tracer
 
 
-def launch_proc(*args, cwd, timeout=180):
-    return subprocess.run([sys.executable, "-m", "dvla.launch", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+@pytest.fixture
+def launch_proc(launcher):
+    """``python -m dvla.launch ARGS`` in ``cwd``, forked (tests/helpers/forks.py)."""
+    def run(*args, cwd, timeout=180):
+        return launcher.run("dvla.launch", list(args), cwd=cwd, timeout=timeout,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return run
 
 
 def one_line(proc, code=2) -> str:
@@ -239,7 +243,7 @@ def test_resume_refuses_what_cannot_continue_and_logs_what_changed():
 
 
 @pytest.mark.slow
-def test_resume_with_another_env_count_is_one_line(tmp_path):
+def test_resume_with_another_env_count_is_one_line(tmp_path, launch_proc):
     first = launch_proc("--preset", "debug", "run.iterations=2", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     config = (tmp_path / "runs" / "debug" / "latest" / "config.yaml").read_text()
@@ -251,7 +255,7 @@ def test_resume_with_another_env_count_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_no_valid_checkpoint_is_one_line_naming_those_tried_on_one_rank_and_three(tmp_path):
+def test_no_valid_checkpoint_is_one_line_naming_those_tried_on_one_rank_and_three(tmp_path, launch_proc):
     """Issue #47, 6: every checkpoint's tensors truncated, then ``--resume``: one line, exit 2,
     naming each checkpoint tried and what is wrong with it (no traceback, no "skipping" line
     per checkpoint). On three ranks under torchrun the same line once, and every rank exits
@@ -275,7 +279,7 @@ def test_no_valid_checkpoint_is_one_line_naming_those_tried_on_one_rank_and_thre
     assert "exitcode  : 2" in proc.stderr and "exitcode  : 1" not in proc.stderr, proc.stderr[-4000:]
 
 
-def test_a_start_that_fails_leaves_no_run_directory_and_latest_where_it_was(tmp_path):
+def test_a_start_that_fails_leaves_no_run_directory_and_latest_where_it_was(tmp_path, launch_proc):
     """Issue #47, 5: a status endpoint that cannot be served fails the start after the run's
     directory was made and written to (config, metrics file, attempt): one line, exit 2, and
     the directory is gone, ``latest`` still at the run before."""
@@ -293,18 +297,18 @@ def test_a_start_that_fails_leaves_no_run_directory_and_latest_where_it_was(tmp_
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_without_cuda_is_one_line(tmp_path):
+def test_cuda_without_cuda_is_one_line(tmp_path, launch_proc):
     line = one_line(launch_proc("--preset", "debug", "run.device=cuda", cwd=tmp_path))
     assert "run.device" in line and "CUDA" in line, line
 
 
-def test_a_yaml_file_that_is_not_utf8_is_one_line(tmp_path):
+def test_a_yaml_file_that_is_not_utf8_is_one_line(tmp_path, launch_proc):
     (tmp_path / "bad.yaml").write_bytes(b"env:\n  n_envs: 8 # \xff\xfe caf\xe9\n")
     line = one_line(launch_proc("--preset", "debug", "--config", "bad.yaml", cwd=tmp_path))
     assert "bad.yaml" in line and "UTF-8" in line, line
 
 
-def test_an_output_directory_that_cannot_be_written_is_one_line(tmp_path):
+def test_an_output_directory_that_cannot_be_written_is_one_line(tmp_path, launch_proc):
     line = one_line(launch_proc("--preset", "debug", "run.out_dir=/proc/sys", cwd=tmp_path))
     assert "run.out_dir" in line and "/proc/sys" in line, line
 
@@ -368,7 +372,7 @@ def test_autotune_reads_on_past_the_trace_window():
 
 
 @pytest.mark.slow
-def test_sigterm_writes_a_checkpoint_exits_0_and_resume_continues(tmp_path):
+def test_sigterm_writes_a_checkpoint_exits_0_and_resume_continues(tmp_path, launch_proc):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "dvla.launch", "--preset", "debug", "run.iterations=100000",
                              "run.save_every=0"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,

@@ -341,12 +341,8 @@ def test_a_bounded_toy_section():
         bounded(1, gte=1)  # a misspelt bound is an error, not silently unchecked
 
 
-def test_a_nan_on_the_command_line_is_one_line_and_exit_2(tmp_path):
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "-m", "dvla.launch", "--preset", "debug", "algo.lr=nan", "--print-config"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+def test_a_nan_on_the_command_line_is_one_line_and_exit_2(tmp_path, launcher):
+    proc = launcher.run("dvla.launch", ["--preset", "debug", "algo.lr=nan", "--print-config"], cwd=tmp_path)
     assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

@@ -1,18 +1,20 @@
 """A user's mistake on the command line is one clear line on stderr and exit code 2, no
-traceback (``--debug`` shows one). Real ``python -m dvla.launch`` / ``dvla`` processes."""
+traceback (``--debug`` shows one). ``python -m dvla.launch`` / ``dvla`` processes of their own,
+forked from one that imported torch once (tests/helpers/forks.py)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 from dvla.app.cli import COMMANDS
 
 
-def launch(*args, cwd, module="dvla.launch", timeout=120):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+@pytest.fixture
+def launch(launcher):
+    """``python -m dvla.launch`` (or ``module``) with ``args``, forked (tests/helpers/forks.py)."""
+    def run(*args, cwd, module="dvla.launch", timeout=120):
+        return launcher.run(module, list(args), cwd=cwd, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return run
 
 
 def one_line_error(proc) -> str:
@@ -40,7 +42,7 @@ def one_line_error(proc) -> str:
     # raised while the swimlane is built (after the config checks): still one line
     (["swimlane.learner_ranks=3"], ["swimlane.learner_ranks", "the world has 1"]),
 ])
-def test_user_errors_are_one_line_and_exit_2(tmp_path, args, culprits):
+def test_user_errors_are_one_line_and_exit_2(tmp_path, launch, args, culprits):
     (tmp_path / "bad.yaml").write_text("env:\n  n_envs: 8\n   image_size: 16\n")
     (tmp_path / "typo.yaml").write_text("env:\n  nenvs: 8\n")
     (tmp_path / "ckptless").mkdir()
@@ -53,20 +55,20 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, args, culprits):
         "a run that failed to start left a directory behind"
 
 
-def test_debug_shows_the_traceback(tmp_path):
+def test_debug_shows_the_traceback(tmp_path, launch):
     proc = launch("--preset", "debug", "--debug", "policy.name=tiny", cwd=tmp_path)
     assert proc.returncode != 0
     assert "Traceback" in proc.stderr and "ConfigError" in proc.stderr and "unknown policy 'tiny'" in proc.stderr
 
 
-def test_unknown_dvla_command(tmp_path):
+def test_unknown_dvla_command(tmp_path, launch):
     line = one_line_error(launch("frobnicate", cwd=tmp_path, module="dvla.cli"))
     assert "unknown command 'frobnicate'" in line
     for cmd in COMMANDS:
         assert cmd in line
 
 
-def test_dvla_help_lists_the_commands(tmp_path):
+def test_dvla_help_lists_the_commands(tmp_path, launch):
     proc = launch("--help", cwd=tmp_path, module="dvla.cli")
     assert proc.returncode == 0
     for cmd, command in COMMANDS.items():  # one line each: the command and what it does

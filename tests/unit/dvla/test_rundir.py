@@ -18,11 +18,18 @@ from dvla.state.rundir import (LATEST, choose_run_dir, discard_new_run, find_lat
                          resolve_run_arg)
 
 
-def launch(*args, cwd, timeout=180, torchrun=0):
-    pre = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
-        if torchrun else [sys.executable]
-    proc = subprocess.run([*pre, "-m", "dvla.launch", "--preset", "debug", "run.torch_threads=1", "run.tensorboard=false", *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def launch(*args, cwd, timeout=180, torchrun=0, launcher=None):
+    """``python -m dvla.launch`` on the debug preset (forked by ``launcher``, tests/helpers/forks.py,
+    where given), or under torchrun with ``torchrun`` ranks."""
+    args = ["--preset", "debug", "run.torch_threads=1", "run.tensorboard=false", *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if launcher is not None and not torchrun:
+        proc = launcher.run("dvla.launch", args, cwd=cwd, timeout=timeout, env=env)
+    else:
+        pre = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
+            if torchrun else [sys.executable]
+        proc = subprocess.run([*pre, "-m", "dvla.launch", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
@@ -116,9 +123,9 @@ def test_report_without_an_argument_takes_the_latest_run(tmp_path, monkeypatch, 
 
 
 @pytest.mark.slow
-def test_two_launches_two_directories_then_resume_and_trace_the_latest(tmp_path):
-    first = launch("run.iterations=1", cwd=tmp_path)
-    second = launch("run.iterations=1", cwd=tmp_path)
+def test_two_launches_two_directories_then_resume_and_trace_the_latest(tmp_path, launcher):
+    first = launch("run.iterations=1", cwd=tmp_path, launcher=launcher)
+    second = launch("run.iterations=1", cwd=tmp_path, launcher=launcher)
     base = tmp_path / "runs" / "debug"
     runs = sorted(p for p in base.iterdir() if p.name != LATEST)
     assert len(runs) == 2 and os.readlink(base / LATEST) == runs[1].name
@@ -135,7 +142,7 @@ def test_two_launches_two_directories_then_resume_and_trace_the_latest(tmp_path)
 
     with open(runs[1] / "metrics.jsonl", "a") as f:
         f.write('{"iter": 1, "lo')  # a crash mid-write (dvla sft's resume sees the same: test_sft_ranks.py)
-    resumed = launch("--resume", "run.iterations=2", cwd=tmp_path)
+    resumed = launch("--resume", "run.iterations=2", cwd=tmp_path, launcher=launcher)
     assert "(resumed from update 1)" in resumed.stdout and "continuing it" in resumed.stderr
     assert TORN_LINE.format(path=f"runs/debug/{runs[1].name}/metrics.jsonl", line=2) in resumed.stderr, resumed.stderr
     assert [json.loads(ln)["iter"] for ln in (runs[1] / "metrics.jsonl").read_text().splitlines()] == [0, 1]
@@ -143,8 +150,7 @@ def test_two_launches_two_directories_then_resume_and_trace_the_latest(tmp_path)
     assert summary["resumed_from"] == 1 and summary["version"] == 2
     assert len([p for p in base.iterdir() if p.name != LATEST]) == 2  # no new directory
 
-    proc = subprocess.run([sys.executable, "-m", "dvla.cli", "trace"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    proc = launcher.run("dvla.cli", ["trace"], cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip() == f"dvla trace: using the newest run, runs/debug/{runs[1].name}"
     assert (runs[1] / "gantt.png").exists() and not (runs[0] / "gantt.png").exists()

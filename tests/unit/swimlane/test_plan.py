@@ -1,9 +1,6 @@
 """A rank's plan (swimlane/assembly/plan.py): what each role is made of, printed by --print-rank, and
 the parts a live rank builds and the lanes it starts follow it."""
 
-import subprocess
-import sys
-
 import pytest
 
 from dvla.config import ConfigError, apply_overrides
@@ -86,17 +83,16 @@ def test_plan_rank_is_pure_and_its_text_names_every_part():
     ("rollout-only", 2, ["swimlane.colocate=false"], "rank 2 of 4 on host1: rollout"),
     ("learner-only", 1, ["swimlane.colocate=false"], "rank 1 of 4 on host0: learner, device cpu"),
 ])
-def test_print_rank_shows_each_role(role, rank, extra, want):
-    out = subprocess.run([sys.executable, "-m", "dvla.launch", "--preset", "fast_reach", *JOB, *extra,
-                          "run.device=cpu", "--print-rank", str(rank)], capture_output=True, text=True, timeout=120)
+def test_print_rank_shows_each_role(role, rank, extra, want, launcher, tmp_path):
+    out = launcher.run("dvla.launch", ["--preset", "fast_reach", *JOB, *extra, "run.device=cpu", "--print-rank",
+                                       str(rank)], cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert want in out.stdout and out.stdout.count("\nrank ") == 0  # one rank's block
     assert "lanes:" in out.stdout and "channel:" in out.stdout and "pools:" in out.stdout
 
 
-def test_print_rank_refuses_a_rank_outside_the_world():
-    out = subprocess.run([sys.executable, "-m", "dvla.launch", "--preset", "debug", "--print-rank", "3"],
-                         capture_output=True, text=True, timeout=120)
+def test_print_rank_refuses_a_rank_outside_the_world(launcher, tmp_path):
+    out = launcher.run("dvla.launch", ["--preset", "debug", "--print-rank", "3"], cwd=tmp_path)
     assert out.returncode == 2 and "no rank 3 in a world of 1" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
 
