@@ -132,7 +132,7 @@ def test_sharding_needs_several_learners():
 def test_sharded_learners_publish_and_checkpoint_the_gathered_weights(tmp_path):
     """torchrun: two sharded learners (one rolls out) and a rollout rank. Every inference
     replica ends with the weights the learners hold between them, bit for bit; checkpoints
-    hold the whole model; a resumed run reshards them and carries on."""
+    hold the whole model; a resumed run, on another layout, reshards them and carries on."""
     from safetensors.torch import load_file
 
     from dvla.state.checkpoint import CheckpointManager
@@ -165,16 +165,23 @@ def test_sharded_learners_publish_and_checkpoint_the_gathered_weights(tmp_path):
     moments = {int(k.split("/")[1]): v for k, v in ck.tensors.items() if k.startswith("optim/") and k.endswith("exp_avg")}
     assert moments and all(list(v.shape) == param_shapes[i] for i, v in moments.items())
 
-    # Resumed, publishing in bf16: each tensor is cast to bf16 before it is gathered, and the
-    # replicas hold the learners' weights in bf16, bit for bit.
+    # Resumed on four ranks, the learners now learning only (swimlane.colocate=false) and
+    # publishing in bf16: each tensor is cast to bf16 before it is gathered, and the rollout
+    # ranks' replicas hold the learners' weights in bf16, bit for bit. Rank 0 holds its shards
+    # and the snapshot it publishes from, rank 1 its shards only (it relays each version
+    # through scratch buffers).
     out = torchrun_job(tmp_path, "sharded", [*run[1:], "run.iterations=6", "run.resume=true",
-                                             "swimlane.publish_dtype=bf16"], nproc=3)
-    s = json.loads((out / "summary.json").read_text())
-    assert s["resumed_from"] == 4 and s["version"] == 6
-    assert s["published_digest"] != s["weights_digest"]
-    for name in ("summary.json", "summary_rank1.json", "summary_rank2.json"):
-        r = json.loads((out / name).read_text())
-        assert r["replica_version"] == 6 and r["replica_digest"] == s["published_digest"], name
+                                             "swimlane.publish_dtype=bf16", "swimlane.colocate=false"], nproc=4)
+    s = [json.loads((out / f).read_text()) for f in ("summary.json", "summary_rank1.json", "summary_rank2.json",
+                                                      "summary_rank3.json")]
+    assert s[0]["resumed_from"] == 4 and s[0]["version"] == 6
+    assert s[0]["published_digest"] != s[0]["weights_digest"]
+    tags = [set(r["memory"]["persistent_tensors"]) for r in s]
+    assert tags[0] == {"broadcast/bucket0", "optimizer/exp_avg", "optimizer/exp_avg_sq"}
+    assert tags[1] == {"optimizer/exp_avg", "optimizer/exp_avg_sq"}  # no replica, no bucket
+    assert s[1]["broadcast_traffic"]["flat_received"] == 3  # versions 4-6, relayed
+    for r in s[2:]:
+        assert r["role"] == "rollout" and r["replica_version"] == 6 and r["replica_digest"] == s[0]["published_digest"]
 
 
 @pytest.mark.slow
@@ -196,23 +203,6 @@ def test_sharded_bf16_learners_learn_fast_reach(tmp_path):
     model = build_policy("tiny_vla", PolicySpec.for_env(make_env(cfg.env, "cpu").spec), cfg.policy.options)
     whole = 3 * sum(p.numel() * 4 for p in model.parameters())  # fp32 weights and two moments
     assert 0.4 * whole < rows[-1]["learner_state_bytes"] < 0.6 * whole
-
-
-@pytest.mark.slow
-def test_sharded_learners_that_do_not_roll_out_hold_no_replicas(tmp_path):
-    """torchrun, two sharded learners that only learn and two rollout ranks: rank 0 holds its
-    shards and the snapshot it publishes from, rank 1 its shards only (it relays each version
-    through scratch buffers), and the rollout ranks end with the learners' weights."""
-    out = torchrun_job(tmp_path, "relay", ["run.iterations=3", "swimlane.learner_ranks=2", "swimlane.colocate=false",
-                                           "algo.shard=fsdp"], nproc=4)
-    s = [json.loads((out / f).read_text()) for f in ("summary.json", "summary_rank1.json", "summary_rank2.json",
-                                                      "summary_rank3.json")]
-    tags = [set(r["memory"]["persistent_tensors"]) for r in s]
-    assert tags[0] == {"broadcast/bucket0", "optimizer/exp_avg", "optimizer/exp_avg_sq"}
-    assert tags[1] == {"optimizer/exp_avg", "optimizer/exp_avg_sq"}  # no replica, no bucket
-    assert s[1]["broadcast_traffic"]["flat_received"] == 4  # versions 0-3, relayed
-    for r in s[2:]:
-        assert r["role"] == "rollout" and r["replica_version"] == 3 and r["replica_digest"] == s[0]["weights_digest"]
 
 
 def test_a_policy_whose_output_hides_its_tensors_from_fsdp_is_an_error(tmp_path, monkeypatch):
