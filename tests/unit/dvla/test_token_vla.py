@@ -120,7 +120,10 @@ def test_action_tokens_cameras_and_lora_travel_under_torchrun(tmp_path):
     # sent the row's own yet): version 0 whole, every later one the trainable part alone.
     sent = [r["publish_bytes"] for r in rows]
     assert sent[0] == everything and set(sent) <= {everything, trainable}, sent
-    assert summary["broadcast_traffic"]["flat_sent_bytes"] == everything + 3 * trainable  # and version 3
+    # Every version sent after the first the trainable part alone (under load the broadcast lane
+    # may skip one that a newer replaced before it was sent: the last one always goes).
+    later, rest = divmod(summary["broadcast_traffic"]["flat_sent_bytes"] - everything, trainable)
+    assert rest == 0 and 1 <= later <= 3, summary["broadcast_traffic"]
     rollout = json.loads((out / "summary_rank1.json").read_text())
     assert rollout["replica_version"] == 3 and rollout["replica_digest"] == summary["weights_digest"]
 
