@@ -39,14 +39,17 @@ class ShortVLA(TinyVLA):
 '''
 
 
-def _launch(tmp_path, policy: str, nproc: int = 1) -> subprocess.CompletedProcess:
+def _launch(tmp_path, policy: str, nproc: int = 1, launcher=None) -> subprocess.CompletedProcess:
+    """The job, one process forked by ``launcher`` (tests/helpers/forks.py) or ``nproc`` under torchrun."""
     (tmp_path / "broken_plugin.py").write_text(PLUGIN)
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc > 1 else [sys.executable]
-    cmd = [*head, "-m", "dvla.launch", "--import", "broken_plugin", "--preset", "debug", f"policy.name={policy}",
-           "run.iterations=50", "run.tensorboard=false", *(["swimlane.colocate=false"] if nproc > 1 else [])]
-    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)})
+    args = ["--import", "broken_plugin", "--preset", "debug", f"policy.name={policy}", "run.iterations=50",
+            "run.tensorboard=false", *(["swimlane.colocate=false"] if nproc > 1 else [])]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(tmp_path)}
+    if nproc == 1:
+        return launcher.run("dvla.launch", args, cwd=tmp_path, timeout=120, env=env)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "dvla.launch", *args]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
 
 
 def _the_line(proc, torchrun: bool = False) -> str:
@@ -58,8 +61,9 @@ def _the_line(proc, torchrun: bool = False) -> str:
 
 @pytest.mark.parametrize("policy, problem", [("nan_vla", r"actions are not finite"),
                                              ("short_vla", r"actions has shape \((\d+), 1, 1\), not \(\1, 1, 2\)")])
-def test_a_policy_that_acts_nan_or_in_the_wrong_shape_is_named_at_its_first_batch(tmp_path, policy, problem):
-    proc = _launch(tmp_path, policy)
+def test_a_policy_that_acts_nan_or_in_the_wrong_shape_is_named_at_its_first_batch(tmp_path, launcher, policy,
+                                                                                    problem):
+    proc = _launch(tmp_path, policy, launcher=launcher)
     assert proc.returncode == 2, proc.stderr[-4000:]
     line = _the_line(proc)
     # (the first batch: one env group's requests, or both groups' when they came together)
