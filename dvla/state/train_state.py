@@ -4,6 +4,7 @@ having stopped."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import random
@@ -217,7 +218,9 @@ def rng_state(generators: dict[str, torch.Generator] | None = None) -> tuple[dic
 def set_rng_state(tensors: dict[str, Tensor], meta: dict,
                   generators: dict[str, torch.Generator] | None = None) -> None:
     """Restore everything ``rng_state`` captured. Every generator passed must be in the
-    checkpoint; CUDA states for devices this process lacks are skipped with a warning."""
+    checkpoint; CUDA states for devices this process lacks are skipped with a warning, and a
+    generator saved on another kind of device (a CPU run resumed on a GPU) is reseeded from
+    its saved state, with a warning."""
     _check_meta(meta, "rng state")
     missing = sorted(n for n in (generators or {}) if f"rng/gen/{n}" not in tensors)
     if missing:
@@ -243,5 +246,18 @@ def set_rng_state(tensors: dict[str, Tensor], meta: dict,
         n = meta["numpy"]
         keys = tensors["rng/numpy"].numpy().astype(np.uint32)
         np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    saved_on = meta.get("generators", {})
     for name, gen in (generators or {}).items():
-        gen.set_state(tensors[f"rng/gen/{name}"].to("cpu", torch.uint8))
+        state = tensors[f"rng/gen/{name}"].to("cpu", torch.uint8)
+        was = torch.device(saved_on.get(name, str(gen.device))).type
+        if was == gen.device.type:
+            gen.set_state(state)
+            continue
+        # A CPU generator's state (Mersenne Twister, 5056 bytes) means nothing to a CUDA one
+        # (Philox, 16 bytes) and the other way round: the run resumed on another device. Its
+        # stream cannot continue; it goes on from a seed the saved state decides.
+        seed = int.from_bytes(hashlib.sha256(state.numpy().tobytes()).digest()[:8], "little")
+        gen.manual_seed(seed)
+        log.warning("rng state: generator %r was saved on %s and resumes on %s: its stream restarts from a "
+                    "seed the saved state decides (the same on every resume of this checkpoint)", name, was,
+                    gen.device.type)

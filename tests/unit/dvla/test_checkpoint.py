@@ -514,3 +514,22 @@ def test_rng_round_trip(tmp_path):
 
     with pytest.raises(CheckpointError, match=r"no state for generator\(s\) \['other'\]"):
         set_rng_state(c.tensors, c.manifest["rng"], {"other": torch.Generator()})
+
+
+def test_a_generator_saved_on_another_device_is_reseeded_from_its_state(caplog):
+    """A CPU run's checkpoint resumed on a GPU (issue #48, 8): the sampling generator's CPU
+    state (5056 bytes) cannot go into a CUDA generator (16 bytes, Philox), nor a CUDA one's
+    into a CPU generator. The generator restarts from a seed its saved state decides, the same
+    on every resume, with a warning. (Here a CUDA generator's state as a checkpoint holds it,
+    resumed into a CPU one: the same path.)"""
+    philox = torch.tensor([7, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0], dtype=torch.uint8)
+    tensors, meta = rng_state({})
+    tensors["rng/gen/sample"], meta["generators"]["sample"] = philox, "cuda:0"
+    draws = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(len(draws))
+        with caplog.at_level("WARNING", logger="dvla.state.checkpoint"):
+            set_rng_state(tensors, meta, {"sample": gen})
+        draws.append(torch.rand(4, generator=gen))
+    assert torch.equal(draws[0], draws[1])
+    assert "generator 'sample' was saved on cuda and resumes on cpu" in caplog.text
