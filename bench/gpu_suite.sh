@@ -11,7 +11,7 @@
 # for bench/RESULTS.md.
 #
 # Steps:
-#   gpu-tests  the tests that skip without CUDA (CUDA memory pools, lane streams; NCCL needs 2 GPUs)
+#   gpu-tests  the tests that skip without CUDA (CUDA memory pools, lane streams, the NCCL group bound to its GPU; NCCL between ranks needs 2 GPUs)
 #   colocated  one rank, async, memory pools + CUDA streams + bf16 replicas, several versions, new
 #              inference batch shapes while the gradient lane updates (bench/gpu_paths.py)
 #   receiver   two processes sharing the GPU: learner-only rank 0, rollout-only rank 1, the control
@@ -76,7 +76,7 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || 
 
 if [ "$SMOKE" -eq 1 ]; then
   if [ "$GPUS" -gt 0 ]; then
-    step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_nccl.py tests/unit/memory/test_memory.py tests/unit/swimlane/test_streams.py -k "cuda or nccl"
+    step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_nccl.py tests/unit/memory/test_memory.py tests/unit/swimlane/test_streams.py tests/unit/dvla/test_groups.py -k "cuda or nccl"
   else  # every one of them skips without CUDA: nothing to run
     echo "== gpu-tests: no CUDA here, skipped" | tee -a "$OUT"
   fi
@@ -91,7 +91,7 @@ if [ "$SMOKE" -eq 1 ]; then
     --render-cost-ms 1 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png"
   step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
 else
-  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_nccl.py tests/unit/memory/test_memory.py tests/unit/swimlane/test_streams.py -k "cuda or nccl"
+  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_nccl.py tests/unit/memory/test_memory.py tests/unit/swimlane/test_streams.py tests/unit/dvla/test_groups.py -k "cuda or nccl"
   step colocated 120 "$PY" bench/gpu_paths.py colocated --device cuda --iterations 12 --envs 64 --image 64
   step receiver 150 "$PY" bench/gpu_paths.py receiver --device cuda --iterations 8 --envs 64 --image 64
   if [ "$GPUS" -ge 2 ]; then

@@ -69,15 +69,22 @@ def init_from_env(timeout_s: float = 600.0, device: str = "auto", collective_bac
         return 0, 1
     select_interfaces()
     backend = default_backend(device, collective_backend)
-    if resolve_device(device).type == "cuda":  # the rank's one visible GPU (memory.runtime.visible_device_env)
+    # With NCCL the group is bound to the rank's one visible GPU (memory.runtime.visible_device_env)
+    # as it is made: its communicator is then built here, not by whichever collective comes
+    # first (the barrier of shutdown() on a rank whose peer has left, which would wait out
+    # the whole collective timeout).
+    bound = {}
+    if resolve_device(device).type == "cuda":
         runtime.for_device(resolve_device(device)).bind_thread()
+        if "nccl" in backend:
+            bound = {"device_id": torch.device("cuda", resolve_device(device).index or 0)}
     timeout = timedelta(seconds=timeout_s)
     store = store_client(timeout_s)
     if store is not None:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
     else:
-        dist.init_process_group(backend=backend, timeout=timeout)
+        dist.init_process_group(backend=backend, timeout=timeout, **bound)
     return dist.get_rank(), dist.get_world_size()
 
 
