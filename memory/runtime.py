@@ -280,7 +280,24 @@ def visible_device_env(local_rank: int, env: dict[str, str] | None = None) -> di
         return env  # no GPU visible: nothing to narrow
     if visible:
         env["CUDA_VISIBLE_DEVICES"] = visible[local_rank % len(visible)]
+        env["DVLA_VISIBLE_DEVICES_ALL"] = ",".join(visible)  # the host's list (ranks_sharing_gpu)
     else:
         env["CUDA_VISIBLE_DEVICES"] = str(local_rank)
     env["DVLA_VISIBLE_DEVICE_SET"] = "1"
     return env
+
+
+def ranks_sharing_gpu(local_rank: int, local_world: int, env: dict[str, str] | None = None) -> list[int]:
+    """The local ranks, this one among them, that :func:`visible_device_env` gives this
+    rank's GPU: more than one where ``CUDA_VISIBLE_DEVICES`` lists fewer GPUs than the host
+    has ranks (NCCL refuses two ranks on one GPU)."""
+    env = os.environ if env is None else env
+    if "DVLA_VISIBLE_DEVICES_ALL" in env:
+        listed = env["DVLA_VISIBLE_DEVICES_ALL"]
+    else:  # narrowed from no list (each rank its own ordinal), or not narrowed yet
+        listed = "" if env.get("DVLA_VISIBLE_DEVICE_SET") else env.get("CUDA_VISIBLE_DEVICES", "")
+    visible = [d.strip() for d in listed.split(",") if d.strip()]
+    if not visible:
+        return [local_rank]
+    mine = visible[local_rank % len(visible)]
+    return [r for r in range(max(local_world, local_rank + 1)) if visible[r % len(visible)] == mine]

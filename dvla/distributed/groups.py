@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dvla.config.errors import ConfigError
 from memory import runtime
 from planes.addresses import interface_of, is_loopback, route_to
 
@@ -58,6 +59,21 @@ def default_backend(device: str, collective_backend: str = "auto") -> str:
     return "cpu:gloo,cuda:nccl" if cuda and runtime.current().available() else "gloo"
 
 
+def check_one_gpu_each(backend: str, environ=os.environ) -> None:
+    """NCCL takes one GPU per rank: ranks of a host that share one (``CUDA_VISIBLE_DEVICES``
+    lists fewer GPUs than the host has ranks) are refused with one line, before any group is
+    made, instead of NCCL's "Duplicate GPU detected" at the first collective."""
+    if "nccl" not in backend:
+        return
+    local, world = int(environ.get("LOCAL_RANK", "0") or 0), int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    sharing = runtime.ranks_sharing_gpu(local, world, environ)
+    if len(sharing) > 1:
+        listed = environ.get("DVLA_VISIBLE_DEVICES_ALL", environ.get("CUDA_VISIBLE_DEVICES", ""))
+        raise ConfigError(f"swimlane.collective_backend: local ranks {', '.join(map(str, sharing))} of this host would "
+                          f"share one GPU (CUDA_VISIBLE_DEVICES={listed} for {world} ranks), and NCCL takes one GPU "
+                          f"per rank: set swimlane.collective_backend=gloo, or start as many ranks per host as GPUs")
+
+
 def init_from_env(timeout_s: float = 600.0, device: str = "auto", collective_backend: str = "auto") -> tuple[int, int]:
     """Join the process group that torchrun describes in the environment, with the
     backend of ``device`` (the run's ``run.device``: :func:`default_backend`).
@@ -69,6 +85,7 @@ def init_from_env(timeout_s: float = 600.0, device: str = "auto", collective_bac
         return 0, 1
     select_interfaces()
     backend = default_backend(device, collective_backend)
+    check_one_gpu_each(backend)
     # With NCCL the group is bound to the rank's one visible GPU (memory.runtime.visible_device_env)
     # as it is made: its communicator is then built here, not by whichever collective comes
     # first (the barrier of shutdown() on a rank whose peer has left, which would wait out
