@@ -212,8 +212,13 @@ def train(args, cfg) -> int:
             say_error(PROG, ConfigError(f"run.device={cfg.run.device!r} but CUDA is not available on this machine "
                                         "(run.device=auto uses a GPU where there is one, else the CPU)"))
         return EXIT_USER_ERROR
-    rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
-                                collective_backend=cfg.swimlane.collective_backend)
+    try:
+        rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
+                                    collective_backend=cfg.swimlane.collective_backend)
+    except ConfigError as exc:  # before any group: every rank of the host found it, the first says it
+        if local_rank() == 0:
+            say_error(PROG, exc)
+        return EXIT_USER_ERROR
     run = None
     stop = JobStop(rank, world)  # from here on: a stop signal at any rank stops every rank
     try:

@@ -340,6 +340,25 @@ def test_a_lost_rank_is_one_line_with_what_to_run_next(tmp_path, monkeypatch, ca
     assert len(lines) == 1 and "rank 2" in lines[0] and "--resume" in lines[0], err
 
 
+def test_a_group_that_cannot_be_made_is_one_line_from_the_hosts_first_rank(monkeypatch, capsys):
+    """What ``init_from_env`` refuses before any group exists (ranks that would share a GPU
+    under NCCL, dvla/distributed/groups.py): every rank of the host finds it, local rank 0 says it."""
+    from dvla.distributed.groups import check_one_gpu_each
+
+    def refuse(**kwargs):
+        check_one_gpu_each("cpu:gloo,cuda:nccl", {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                                                  "CUDA_VISIBLE_DEVICES": "0"})
+
+    monkeypatch.setattr(launch, "init_from_env", refuse)
+    for local in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert launch.train(SimpleNamespace(verbose=False, debug=False), apply_overrides(debug(), [])) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err, err
+        lines = [ln for ln in err.strip().splitlines() if ln.startswith("dvla:")]
+        assert len(lines) == (local == "0") and all("would share one GPU" in ln for ln in lines), err
+
+
 # -- 9: a bounded trace window ------------------------------------------------------------------
 
 
