@@ -287,16 +287,22 @@ def visible_device_env(local_rank: int, env: dict[str, str] | None = None) -> di
     return env
 
 
+def host_gpus(env: dict[str, str]) -> list[str]:
+    """The host's ``CUDA_VISIBLE_DEVICES`` list as the ranks share it out (before
+    :func:`visible_device_env` narrowed it); empty where it names none (each rank then takes
+    its own ordinal)."""
+    if "DVLA_VISIBLE_DEVICES_ALL" in env:
+        listed = env["DVLA_VISIBLE_DEVICES_ALL"]
+    else:  # narrowed from no list, or not narrowed yet
+        listed = "" if env.get("DVLA_VISIBLE_DEVICE_SET") else env.get("CUDA_VISIBLE_DEVICES", "")
+    return [d.strip() for d in listed.split(",") if d.strip()]
+
+
 def ranks_sharing_gpu(local_rank: int, local_world: int, env: dict[str, str] | None = None) -> list[int]:
     """The local ranks, this one among them, that :func:`visible_device_env` gives this
     rank's GPU: more than one where ``CUDA_VISIBLE_DEVICES`` lists fewer GPUs than the host
     has ranks (NCCL refuses two ranks on one GPU)."""
-    env = os.environ if env is None else env
-    if "DVLA_VISIBLE_DEVICES_ALL" in env:
-        listed = env["DVLA_VISIBLE_DEVICES_ALL"]
-    else:  # narrowed from no list (each rank its own ordinal), or not narrowed yet
-        listed = "" if env.get("DVLA_VISIBLE_DEVICE_SET") else env.get("CUDA_VISIBLE_DEVICES", "")
-    visible = [d.strip() for d in listed.split(",") if d.strip()]
+    visible = host_gpus(os.environ if env is None else env)
     if not visible:
         return [local_rank]
     mine = visible[local_rank % len(visible)]

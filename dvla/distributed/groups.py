@@ -68,7 +68,7 @@ def check_one_gpu_each(backend: str, environ=os.environ) -> None:
     local, world = int(environ.get("LOCAL_RANK", "0") or 0), int(environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     sharing = runtime.ranks_sharing_gpu(local, world, environ)
     if len(sharing) > 1:
-        listed = environ.get("DVLA_VISIBLE_DEVICES_ALL", environ.get("CUDA_VISIBLE_DEVICES", ""))
+        listed = ",".join(runtime.host_gpus(environ))
         raise ConfigError(f"swimlane.collective_backend: local ranks {', '.join(map(str, sharing))} of this host would "
                           f"share one GPU (CUDA_VISIBLE_DEVICES={listed} for {world} ranks), and NCCL takes one GPU "
                           f"per rank: set swimlane.collective_backend=gloo, or start as many ranks per host as GPUs")

@@ -119,15 +119,13 @@ class Swimlane:
         s = self.state
         if self.cfg.swimlane.learner_ranks > 1 and self.plan.learner and not s.stop_asked:
             s.preempted = s.stop_asked = True
-            timer = threading.Timer(_PREEMPT_GRACE_S, self._preempt_now)
+            timer = threading.Timer(_PREEMPT_GRACE_S, lambda: s.learner_done.is_set() or self._preempt_now())
             timer.daemon = True
             timer.start()
             return
         self._preempt_now()
 
     def _preempt_now(self) -> None:
-        if self.state.learner_done.is_set():
-            return
         self.state.preempted = True
         self.driver.grace_s = max(self.driver.grace_s, _PREEMPT_GRACE_S)
         self.state.request_stop()
