@@ -10,10 +10,12 @@ setup(
     packages=find_packages(include=["dvla", "dvla.*", "planes", "planes.*", "swimlane", "swimlane.*",
                                     "memory", "memory.*", "launch", "launch.*"]),
     install_requires=[
-        # The range dvla supports (FSDP2's fully_shard, torch.cuda.MemPool): a cluster keeps
-        # the CUDA build it has. The README and CI pin the CPU wheel this project tests on
-        # (torch==2.13.0); genesis-world does not declare torch.
-        "torch>=2.6,<3",
+        # The range dvla supports: a cluster keeps the CUDA build it has. The floor is the
+        # oldest torch a dvla run is tested on (2.11, the lent GPU machine's; MemPool.snapshot's
+        # include_traces and use_mem_pool routing only the calling thread need it:
+        # memory/pools.py); memory.runtime.TORCH_FLOOR says the same. The README and CI pin
+        # the CPU wheel this project tests on (torch==2.13.0); genesis-world does not declare torch.
+        "torch>=2.11,<3",
         "genesis-world==1.4.5",
         "pyzmq>=27",  # Socket.recv_into
         "msgpack>=1.0",

@@ -32,6 +32,12 @@ from typing import Any, Iterator
 import torch
 
 
+TORCH_FLOOR = (2, 11)
+"""The oldest torch dvla is tested on (setup.py's floor): ``MemPool.snapshot(include_traces=...)``
+and ``use_mem_pool`` routing only the calling thread's allocations (each pool has one owning
+thread, :meth:`Runtime.allocate_in`) are not in older ones."""
+
+
 class DisciplineError(RuntimeError):
     """A device call that breaks the rank's discipline (wrong thread, pool or stream)."""
 

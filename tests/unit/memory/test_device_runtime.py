@@ -241,3 +241,17 @@ def test_each_torchrun_rank_sees_only_its_own_gpu(tmp_path):
 
     assert json.loads((out / "r" / "summary.json").read_text())["cuda_visible_devices"] == "3"
     assert json.loads((out / "r" / "summary_rank1.json").read_text())["cuda_visible_devices"] == "5"
+
+
+def test_setup_pys_torch_floor_is_the_runtimes_and_this_torch_meets_it():
+    """Issue #48, 9: setup.py allowed torch 2.6, but MemPool.snapshot(include_traces=...) and
+    use_mem_pool's per-thread routing need 2.11: the floor is the oldest torch a run is tested
+    on, stated once for the package (memory.runtime.TORCH_FLOOR) and once for pip."""
+    import re
+
+    from memory.runtime import TORCH_FLOOR
+    from tests.helpers import ROOT
+
+    floor = re.search(r'"torch>=(\d+)\.(\d+)', (ROOT / "setup.py").read_text())
+    assert floor and (int(floor[1]), int(floor[2])) == TORCH_FLOOR
+    assert tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= TORCH_FLOOR
