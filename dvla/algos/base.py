@@ -212,6 +212,12 @@ class Algorithm(ABC):
                 self._evaluate(self._dummy)
         return torch.cat(out) if out else data["behav_logp"][:0].clone()
 
+    def _pass_rows(self, n_all: int) -> int:
+        """What a training pass holds: a minibatch of the largest share, or a micro-batch
+        (``algo.micro_batch``) where smaller."""
+        rows = -(-n_all // self.cfg.minibatches)
+        return min(rows, self.cfg.micro_batch or rows)
+
     def _agree(self, *counts: int) -> list[int]:
         """The largest of each count over the sharded learners (the counts as they are
         otherwise)."""
@@ -245,7 +251,7 @@ class Algorithm(ABC):
         recompute_all = not self.behaviour_exact  # bf16 replicas: no step has its proximal log-prob
         n_all, stale_all = self._agree(n, int(stale.sum()) if stale is not None else 0)
         if n_all == 0:
-            return {"samples": 0.0, **({} if self._follow() else {"non_finite_distribution": 1.0})}
+            return {"samples": 0.0, **_finite_flag(self._follow())}
         if self.shard_group is not None:  # every rank makes the passes of the largest share
             first = torch.zeros(1, dtype=torch.long, device=device)
             self._dummy = self._flatten(batch, adv, ret, at=(first, first))
@@ -264,8 +270,7 @@ class Algorithm(ABC):
                 # forward pass; every step does when the behaviour ran in other numerics
                 # (loglinear too: its interpolation starts from the behaviour log-probs and
                 # would keep their gap in the clipped ratio).
-                chunk = -(-n_all // self.cfg.minibatches)  # what a training pass holds: a minibatch,
-                chunk = min(chunk, self.cfg.micro_batch or chunk)  # or a micro-batch where smaller
+                chunk = self._pass_rows(n_all)
                 need = n_all if recompute_all else stale_all  # the most rows on any learner
                 passes = -(-need // chunk) if self.shard_group is not None else 0
                 if recompute_all or bool(stale.all()):
@@ -303,9 +308,7 @@ class Algorithm(ABC):
         self.policy.eval()
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["samples"] = float(n)
-        chunk = min(-(-n_all // self.cfg.minibatches), self.cfg.micro_batch or n_all)
-        if not self._distribution_finite(data, min(n, chunk)):
-            out["non_finite_distribution"] = 1.0  # the gradient lane stops before publishing
+        out.update(_finite_flag(self._distribution_finite(data, min(n, self._pass_rows(n_all)))))
         if self.cfg.target_kl > 0:  # the step that crossed the target is not taken (its stats count)
             out.update(kl_early_stop=float(self._stopping), minibatches_stepped=float(stepped))
         if lr_f is not None:
@@ -325,7 +328,7 @@ class Algorithm(ABC):
         samples (a learner that switches roles, ``swimlane.roles``). Returns the update's
         diagnostics that concern this learner too (``non_finite_distribution``)."""
         self.schedule_lr(learner_version)
-        return {} if self._follow() else {"non_finite_distribution": 1.0}
+        return _finite_flag(self._follow())
 
     def _follow(self) -> bool:
         """The steps of an update without samples; whether the learners' distributions
@@ -488,3 +491,9 @@ class Algorithm(ABC):
         else:
             self.optimizer.zero_grad(set_to_none=True)
         return {**sums, "grad_norm": float(grad_norm), "non_finite_steps": float(not finite)}
+
+
+def _finite_flag(ok: bool) -> dict[str, float]:
+    """The diagnostic an update reports when its distribution went non-finite (the gradient
+    lane then stops before publishing); nothing when it stayed finite."""
+    return {} if ok else {"non_finite_distribution": 1.0}
