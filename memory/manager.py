@@ -19,7 +19,7 @@ class MemoryManager:
     """The pools of one device: the persistent pool (filled at start-up, then sealed), the
     transient pool of the gradient lane (its activations and per-update tensors) and the
     transient pool of the inference lane (its batches). Each lane that allocates has a pool
-    of its own, since only one thread may route allocations into a pool (memory/runtime.py).
+    of its own: a pass routed into a pool (activations) makes that thread its owner (memory/runtime.py).
 
     Budgets are bytes or ``None``; any form :func:`memory.parse_budget` accepts (``"8GiB"``,
     ``0.5``) works too. The transient budget holds for each transient pool.

@@ -205,12 +205,13 @@ class _DevicePool:
         self.runtime = for_device(self.device)
         #: ``torch.cuda.MemPool`` holding this pool's segments on a GPU (the runtime's); None
         #: on the CPU and for a host pool. One thread only routes allocations into it.
-        self.mempool = self.runtime.new_mempool() if self.runtime.accelerated and not host else None
+        self.mempool = self.runtime.new_mempool(self.device) if self.runtime.accelerated and not host else None
 
-    def _routed(self):
+    def _routed(self, held: bool = False):
         """Context under which the calling thread's new device allocations land in this
-        pool's segments (only the pool's owning thread may enter it: memory/runtime.py)."""
-        return self.runtime.allocate_in(self.mempool, f"{self.name} pool")
+        pool's segments: briefly, under the pool's lock (any thread), or ``held`` for a whole
+        pass (only the pool's owning thread: memory/runtime.py)."""
+        return self.runtime.allocate_in(self.mempool, f"{self.name} pool", held=held)
 
     def device_segments(self) -> dict[str, int] | None:
         """On CUDA, what the caching allocator holds for this pool's ``MemPool``:

@@ -12,9 +12,12 @@ fails on a broken discipline. The discipline:
   :meth:`Runtime.collective`, on a communication stream of the calling thread's own, and the
   thread waits for that stream there. A receive that waits for its peer then never holds up
   the default stream, which the lanes' streams and the pools' events wait on.
-* **One thread per memory pool.** Only one thread may route allocations into a ``MemPool``
-  (PyTorch refuses a second thread recording to a pool): :meth:`Runtime.allocate_in` names
-  the pool's owner at its first use and refuses any other thread.
+* **One thread per memory pool at a time.** PyTorch refuses a second thread recording to a
+  ``MemPool`` while one does. A pool whose routing spans a whole pass (the gradient lane's
+  activations: :meth:`Runtime.allocate_in` with ``held=True``) has one owning thread, named at
+  its first such use; any other thread is refused. A brief routing (one arena block, made
+  under the pool's own lock) may come from any thread, one at a time: the sampling lane then
+  answers inference requests in the inference lane's pool while the lanes take turns.
 * **A pinned block is reused only after its event.** A pinned host block written by
   asynchronous device copies gets an event when released (:meth:`Runtime.record_event`) and
   the host waits for it before handing the block out again (:meth:`Runtime.host_wait`).
@@ -49,7 +52,8 @@ class Runtime:
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self._owners: dict[int, tuple[int, str]] = {}  # id(pool) -> (thread id, thread name)
+        self._owners: dict[int, tuple[int, str]] = {}  # id(pool) -> (thread id, name) holding it for passes
+        self._routing: dict[int, tuple[int, str, int]] = {}  # id(pool) -> (thread id, name, depth) routing now
         self._lock = threading.Lock()
 
     # -- threads ---------------------------------------------------------------------------
@@ -96,27 +100,49 @@ class Runtime:
         return True
 
     # -- memory ----------------------------------------------------------------------------
-    def new_mempool(self) -> Any:
+    def new_mempool(self, device: torch.device | str | None = None) -> Any:
+        """A memory pool for device allocations on ``device`` (the runtime's): None where
+        there is none to route into (the CPU's allocator, a GPU run's host memory)."""
         return None
 
     @contextlib.contextmanager
-    def allocate_in(self, pool: Any, name: str = "pool") -> Iterator[None]:
-        """Route the calling thread's device allocations into ``pool``; the first thread to
-        do so owns it, and any other thread is refused (:class:`DisciplineError`)."""
+    def allocate_in(self, pool: Any, name: str = "pool", held: bool = False) -> Iterator[None]:
+        """Route the calling thread's device allocations into ``pool``. ``held``: for a
+        whole pass (activations); the first thread to hold a pool owns it, and any other
+        thread is refused (:class:`DisciplineError`), briefly too. Else a brief routing,
+        made under the pool's lock: any thread, but never two at once."""
         if pool is None:
             yield
             return
-        self._claim(pool, name)
-        with self._route(pool):
-            yield
+        self._enter(pool, name, held)
+        try:
+            with self._route(pool):
+                yield
+        finally:
+            self._leave(pool)
 
-    def _claim(self, pool: Any, name: str) -> None:
-        me = threading.get_ident()
+    def _enter(self, pool: Any, name: str, held: bool) -> None:
+        me, my_name = threading.get_ident(), threading.current_thread().name
         with self._lock:
-            owner = self._owners.setdefault(id(pool), (me, threading.current_thread().name))
-        if owner[0] != me:
-            raise DisciplineError(f"{name}: thread {threading.current_thread().name!r} allocates into a memory pool "
-                                  f"that thread {owner[1]!r} owns; each lane needs a pool of its own")
+            owner = self._owners.get(id(pool))
+            if owner is None and held:
+                owner = self._owners[id(pool)] = (me, my_name)
+            if owner is not None and owner[0] != me:
+                raise DisciplineError(f"{name}: thread {my_name!r} allocates into a memory pool that thread "
+                                      f"{owner[1]!r} owns; each lane needs a pool of its own")
+            routing = self._routing.get(id(pool))
+            if routing is not None and routing[0] != me:
+                raise DisciplineError(f"{name}: thread {my_name!r} allocates into a memory pool while thread "
+                                      f"{routing[1]!r} does; a brief routing takes the pool's lock")
+            self._routing[id(pool)] = (me, my_name, (routing or (0, "", 0))[2] + 1)
+
+    def _leave(self, pool: Any) -> None:
+        with self._lock:
+            me, name, depth = self._routing[id(pool)]
+            if depth > 1:
+                self._routing[id(pool)] = (me, name, depth - 1)
+            else:
+                del self._routing[id(pool)]
 
     def _route(self, pool: Any):
         return contextlib.nullcontext()
@@ -221,8 +247,9 @@ class CudaRuntime(Runtime):
     def event_done(self, event: Any) -> bool:
         return event is None or event.query()
 
-    def new_mempool(self) -> Any:
-        return torch.cuda.MemPool()
+    def new_mempool(self, device: torch.device | str | None = None) -> Any:
+        device = torch.device(device) if device is not None else self.device
+        return torch.cuda.MemPool() if device.type == "cuda" else None
 
     def _route(self, pool: Any):
         return torch.cuda.use_mem_pool(pool, self.device)
@@ -266,12 +293,36 @@ def install(runtime: Runtime) -> Runtime:
 
 
 def for_device(device: torch.device | str) -> Runtime:
-    """The runtime for work on ``device``: on a CUDA device CUDA's (installed if the CPU's is
-    current), else the current one (host memory of a GPU run, or a test's fake)."""
+    """The runtime for work on ``device``: the current one where it runs the GPU code paths
+    (a rank's CUDA runtime, :func:`serving`, or a test's fake); on a CUDA device otherwise
+    CUDA's, made once per device and not installed (a caller that only allocates, such as a
+    memory pool, leaves the process's runtime as it found it); else the current one."""
     device = torch.device(device)
-    if device.type == "cuda" and not _current.accelerated:
-        install(CudaRuntime(device))
-    return _current
+    if _current.accelerated or device.type != "cuda":
+        return _current
+    index = device.index if device.index is not None else 0
+    with _made_lock:
+        if index not in _made:
+            _made[index] = CudaRuntime(torch.device("cuda", index))
+        return _made[index]
+
+
+_made: dict[int, "CudaRuntime"] = {}
+_made_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def serving(device: torch.device | str) -> Iterator[Runtime]:
+    """The process's runtime is :func:`for_device`'s for ``device`` during the block (a
+    rank's life: its collectives, threads and pools all go through it) and the one it found
+    afterwards: a test that ran a rank on a GPU leaves no CUDA runtime to the next."""
+    mine = for_device(device)
+    previous = install(mine)
+    try:
+        yield mine
+    finally:
+        if _current is mine:  # (not where a later install replaced it, or a never-run rank is collected)
+            install(previous)
 
 
 def visible_device_env(local_rank: int, env: dict[str, str] | None = None) -> dict[str, str]:

@@ -339,9 +339,10 @@ class TransientPool(_DevicePool):
         thread (the backward pass runs in autograd's own threads and allocates normally), and
         the memory is managed by PyTorch's caching allocator, not by the arena's counters (see
         :meth:`device_segments`). On CPU it is a no-op: CPU autograd allocations always go to
-        the system allocator.
+        the system allocator. The first thread to route a pass here owns the pool for passes
+        (memory/runtime.py).
         """
-        with self._routed():
+        with self._routed(held=True):
             yield
 
     # -- maintenance and reports -----------------------------------------------------

@@ -53,6 +53,20 @@ def _dvla_logger():
     log.propagate, log.level = propagate, level
 
 
+@pytest.fixture(autouse=True)
+def _device_runtime():
+    """Every test leaves the process's device runtime (memory/runtime.py) as it found it: a
+    CUDA runtime or a fake left installed would change what the next test runs on."""
+    from memory import runtime
+
+    before = runtime.current()
+    yield
+    left = runtime.current()
+    if left is not before:
+        runtime.install(before)
+        pytest.fail(f"the test left {type(left).__name__} installed as the process's device runtime")
+
+
 @pytest.fixture
 def debug_cfg(tmp_path):
     cfg = presets.debug()

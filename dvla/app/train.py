@@ -38,7 +38,7 @@ from dvla.app.run import (
 )
 from dvla.config import ConfigError
 from dvla.config.presets import DEFAULT_PRESET, PRESETS, compose
-from dvla.distributed import init_from_env
+from dvla.distributed import init_from_env, resolve_device
 from dvla.logs import setup_logging
 from memory import runtime
 
@@ -205,13 +205,18 @@ def train(args, cfg) -> int:
     """Every rank of the job: the process group, the run directory, the rank's swimlane run to
     its end; SIGTERM stops it with a checkpoint (:meth:`swimlane.Swimlane.preempt`)."""
     setup_logging(int(os.environ.get("RANK", "0") or 0), args.verbose)
-    import swimlane
-
     if cfg.run.device.startswith("cuda") and not runtime.current().available():
         if local_rank() == 0:
             say_error(PROG, ConfigError(f"run.device={cfg.run.device!r} but CUDA is not available on this machine "
                                         "(run.device=auto uses a GPU where there is one, else the CPU)"))
         return EXIT_USER_ERROR
+    with runtime.serving(resolve_device(cfg.run.device)):  # the rank's device runtime (memory/runtime.py)
+        return _rank(args, cfg)
+
+
+def _rank(args, cfg) -> int:
+    import swimlane
+
     try:
         rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
                                     collective_backend=cfg.swimlane.collective_backend)

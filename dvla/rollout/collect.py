@@ -67,7 +67,7 @@ class EpisodeRecorder:
         self.cameras = {k[len(CAMERAS_PREFIX):]: v for k, v in bufs.items() if k.startswith(CAMERAS_PREFIX)}
         self.done = torch.zeros(b, dtype=torch.bool)
         self.success = torch.zeros(b, dtype=torch.bool)
-        self.rt = runtime.current()
+        self.rt = runtime.for_device(getattr(env, "device", "cpu"))  # (the env's: its outputs come from there)
         # pinned buffers take device copies without waiting
         self.async_copies = self.image.is_pinned() if async_copies is None else async_copies
         self._all_done: Tensor | None = None  # pinned host flag: every episode over (GPU envs)

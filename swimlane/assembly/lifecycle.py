@@ -36,6 +36,7 @@ An exception in any lane stops the run and is re-raised by :meth:`Swimlane.run` 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -44,7 +45,9 @@ from typing import Any, Callable
 import torch
 
 from dvla.config import JobConfig, dump_yaml
+from dvla.distributed import resolve_device
 from dvla.normalize import FILE as NORM_FILE
+from memory import runtime
 from planes.data import DataPlaneConfig
 from swimlane.assembly.driver import LaneError, SerialDriver, ThreadedDriver
 from swimlane.assembly.parts import assemble
@@ -83,7 +86,15 @@ class Swimlane:
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         restarts = restarts_from_env()
-        self.parts = assemble(cfg, rank, world_size, data_plane, restarts=restarts, poll_s=POLL_S)
+        # The rank's device runtime is the process's while the rank lives (memory/runtime.py);
+        # the one it found comes back when run() ends.
+        self._serving = contextlib.ExitStack()
+        self._serving.enter_context(runtime.serving(resolve_device(cfg.run.device)))
+        try:
+            self.parts = assemble(cfg, rank, world_size, data_plane, restarts=restarts, poll_s=POLL_S)
+        except BaseException:
+            self._serving.close()
+            raise
         self.state = RunState(cfg, rank, world_size, self.parts.resumed, restarts)
         self.updates = Updates(self.parts, self.state, on_update)
         self.lanes = connect(self.parts, self.state, self.updates)
@@ -195,13 +206,14 @@ class Swimlane:
         return self._finish()
 
     def _finish(self) -> dict[str, Any]:
-        if self.errors:
-            try:  # best effort: the counters of a failed attempt are worth keeping
-                write_summary(self, error=str(self.errors[0]).splitlines()[0])
-            except Exception:
-                log.exception("could not write the summary of the failed run")
-            raise self.errors[0]
-        return write_summary(self)
+        with self._serving:
+            if self.errors:
+                try:  # best effort: the counters of a failed attempt are worth keeping
+                    write_summary(self, error=str(self.errors[0]).splitlines()[0])
+                except Exception:
+                    log.exception("could not write the summary of the failed run")
+                raise self.errors[0]
+            return write_summary(self)
 
     def _drain(self, wait: bool = True) -> None:
         """After the last update: read (and discard, counted) what rollout ranks still

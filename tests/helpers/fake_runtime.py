@@ -8,8 +8,10 @@ records every break of the discipline as a violation:
 * a collective (``torch.distributed``'s, and a DTensor's gather, ``full_tensor``: patched while
   the fake is installed) issued outside :meth:`Runtime.collective`, i.e. on the thread's
   compute stream;
-* two threads routing allocations into one memory pool (the base runtime refuses it with
-  :class:`memory.runtime.DisciplineError`; the fake records it too);
+* two threads routing allocations into one memory pool at once, or a thread other than the
+  owner of a pool held for whole passes (the base runtime refuses both with
+  :class:`memory.runtime.DisciplineError`; the fake records them too, and which threads
+  routed into each pool, :attr:`FakeRuntime.routed`);
 * a pinned block handed out again while an asynchronous copy into it may still be in flight
   (no event recorded after the copy and waited for by the host).
 
@@ -62,6 +64,7 @@ class FakeRuntime(Runtime):
         self._pending: dict[int, set[int]] = {}  # id(stream) -> pinned storages with copies in flight
         self._vlock = threading.Lock()
         self.collectives = 0
+        self.routed: dict[str, set[str]] = {}  # pool name -> the threads that routed allocations into it
 
     # -- recording -------------------------------------------------------------------------
     def _violate(self, what: str) -> None:
@@ -128,16 +131,18 @@ class FakeRuntime(Runtime):
     def event_done(self, event) -> bool:
         return True
 
-    def new_mempool(self):
+    def new_mempool(self, device=None):
         return FakePool()
 
-    def _claim(self, pool, name: str) -> None:
+    def _enter(self, pool, name: str, held: bool) -> None:
         self._check("allocate_in")
         try:
-            super()._claim(pool, name)
+            super()._enter(pool, name, held)
         except DisciplineError as exc:
             self._violate(str(exc))
             raise
+        with self._vlock:
+            self.routed.setdefault(name, set()).add(threading.current_thread().name)
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         self._check("pinned_empty")

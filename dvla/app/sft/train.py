@@ -72,6 +72,16 @@ def train_sft(cfg, job: Job, frames: Frames, norm, run_dir: Path, resumed: bool,
               log=print) -> dict:
     """Train ``cfg``'s policy on ``frames`` into ``run_dir`` (written by rank 0) on this rank of
     ``world``; continues the run's newest checkpoint where ``resumed``. The summary."""
+    from dvla.algos.imitation import device_of
+    from memory import runtime
+
+    # (on CUDA: the device runtime every CUDA call goes through, the process's while it trains)
+    with runtime.serving(device_of(cfg, world)) as rt:
+        rt.bind_thread()
+        return _train_sft(cfg, job, frames, norm, run_dir, resumed, rank, world, log)
+
+
+def _train_sft(cfg, job: Job, frames: Frames, norm, run_dir: Path, resumed: bool, rank: int, world: int, log) -> dict:
     from dvla.state.checkpoint import save_weights
     from dvla.config import dump_yaml
     from dvla.envs import env_spec
@@ -83,11 +93,9 @@ def train_sft(cfg, job: Job, frames: Frames, norm, run_dir: Path, resumed: bool,
     from dvla.app.sft.checkpoints import RANK_SEED, SFTCheckpoints, sft_check
     from dvla.metrics import truncate_metrics
     from dvla.distributed.sharding import full_state_dict
-    from memory import runtime
 
     lead = rank == 0
     device = device_of(cfg, world)
-    runtime.for_device(device).bind_thread()  # (on CUDA: the device runtime every CUDA call goes through)
     torch.manual_seed(cfg.run.seed)  # the same weights on every rank
     steps, k, size = cfg.run.iterations, cfg.policy.action_chunk, job.batch_size
     policy = build_policy(cfg.policy.name, PolicySpec.for_env(env_spec(cfg.env), k), cfg.policy.options)
@@ -241,9 +249,9 @@ def load_data(cfg, job: Job, world: int):
 def main(argv: list[str]) -> int:
     """``dvla sft``; under torchrun every rank of the job runs it (``-m dvla.launch sft``), around
     it what every training application does on a rank (:mod:`dvla.app.run`)."""
+    from dvla.algos.imitation import device_of
     from dvla.datasets import DatasetError
-    from dvla.distributed import init_from_env
-    from dvla.logs import setup_logging
+    from memory import runtime
 
     user_errors = (ConfigError, DatasetError, ValueError, FloatingPointError, NotImplementedError)
     world = int(os.environ.get("WORLD_SIZE", "1") or 1) if "RANK" in os.environ else 1
@@ -253,10 +261,19 @@ def main(argv: list[str]) -> int:
         if cfg.run.torch_threads:
             torch.set_num_threads(cfg.run.torch_threads)
         frames, norm = load_data(cfg, job, world)
+        device = device_of(cfg, world)
     except user_errors as exc:
         if local_rank() == 0:
             say_error(PROG, exc)
         return EXIT_USER_ERROR
+    with runtime.serving(device):  # the rank's device runtime, its whole life (memory/runtime.py)
+        return _rank(cfg, job, base, frames, norm, world, user_errors)
+
+
+def _rank(cfg, job: Job, base: Path, frames: Frames, norm, world: int, user_errors) -> int:
+    from dvla.distributed import init_from_env
+    from dvla.logs import setup_logging
+
     rank, world = init_from_env(timeout_s=cfg.swimlane.collective_timeout_s, device=cfg.run.device,
                                 collective_backend=cfg.swimlane.collective_backend)
     setup_logging(rank)  # (dvla's own log lines: damaged checkpoints skipped, what a resume changes)

@@ -73,6 +73,64 @@ def test_a_colocated_async_swimlane_keeps_the_discipline(tmp_path):
     assert lanes.memory.inference.stats().allocations > 0 and lanes.parts.host_pool.stats().reuses > 0
 
 
+def test_lanes_taking_turns_with_pools_keep_the_discipline(tmp_path):
+    """With ``swimlane.take_turns`` the sampling lane answers its own requests in the
+    inference lane's pool; the autotune knob then switches turns off (here at the second
+    update) and the inference lane's thread answers again: no violation, and the run learns
+    to the end (#48, item 2)."""
+    with installed() as fake:
+        def switch(record):
+            if record["version"] == 2:
+                lanes.lanes.inference.turns.set(False)
+
+        lanes = Swimlane(_cfg(tmp_path, "swimlane.take_turns=true"), on_update=switch)
+        lanes.lanes.inference.wait_s = 0.1  # the groups' first requests: one batch, made in the pool
+        summary = lanes.run()
+    assert fake.violations == []
+    assert summary["version"] == 6 and "dvla-sampling" in fake.routed["transient_inference pool"]
+
+
+def test_both_lanes_that_answer_requests_make_batches_in_the_inference_pool_in_turn(tmp_path):
+    """Which lane's thread makes a new block in the inference pool while the lanes switch
+    between taking turns and overlapping depends on timing; here each does in turn, through
+    the rank's own lanes: the inference lane's thread answers two groups in one pass, the
+    pool drops its cached blocks, and the sampling lane answers two more while turns are on.
+    A brief routing under the pool's lock is no ownership: neither is refused (#48, item 2;
+    a pool owned by its first thread stopped the run with a DisciplineError here)."""
+    from swimlane.lanes.messages import Request
+
+    with installed() as fake:
+        fake.bind_thread()
+        lanes = Swimlane(_cfg(tmp_path))
+        inference, obs = lanes.lanes.inference, lanes.envs[0].reset()
+        answered, first_done, both_done = [], threading.Event(), threading.Event()
+
+        def answer_two(serve: bool):
+            fake.bind_thread()
+            for group in (0, 1):
+                inference.requests.put(Request(group, "act", obs))
+            answered.append(inference.serve() if serve else inference.step(1.0))
+
+        def inference_thread():  # (alive until the other has answered: a thread's id is reused after it ends)
+            try:
+                answer_two(serve=False)
+            finally:
+                first_done.set()
+            both_done.wait(30)
+
+        first = threading.Thread(target=inference_thread, name="dvla-inference")
+        first.start()
+        first_done.wait(30)
+        lanes.memory.inference.trim()
+        inference.turns.set(True)
+        refused = _in_thread(lambda: answer_two(serve=True), "dvla-sampling")
+        both_done.set()
+        first.join()
+    assert refused == [] and answered == [True, True] and fake.violations == []
+    assert fake.routed["transient_inference pool"] == {"dvla-inference", "dvla-sampling"}
+    assert lanes.memory.inference.stats().allocations >= 2
+
+
 def test_the_fake_catches_a_thread_that_never_bound_the_device():
     fake = FakeRuntime()
     t = threading.Thread(target=lambda: fake.synchronize(), name="unbound")
@@ -83,26 +141,87 @@ def test_the_fake_catches_a_thread_that_never_bound_the_device():
     assert fake.violations == ["unbound: synchronize before the thread bound the rank's device"]
 
 
-def test_two_threads_in_one_pool_are_refused():
-    """PyTorch refuses a second thread recording to a MemPool; every runtime (the CPU's too)
-    refuses it first, naming the pool and both threads."""
-    rt, pool = Runtime(), object()
-    with rt.allocate_in(pool, "transient pool"):
-        pass
+def _in_thread(fn, name: str) -> list[str]:
     errors = []
 
-    def other():
+    def body():
         try:
-            with rt.allocate_in(pool, "transient pool"):
-                pass
+            fn()
         except DisciplineError as exc:
             errors.append(str(exc))
 
-    t = threading.Thread(target=other, name="dvla-inference")
+    t = threading.Thread(target=body, name=name)
     t.start()
     t.join()
+    return errors
+
+
+def test_a_pool_held_for_passes_is_one_threads():
+    """PyTorch refuses a second thread recording to a MemPool; a pool one thread routes whole
+    passes into (the gradient lane's activations) is that thread's, and every runtime (the
+    CPU's too) refuses another, naming the pool and both threads."""
+    rt, pool = Runtime(), object()
+    with rt.allocate_in(pool, "transient pool", held=True):
+        pass
+
+    def other():
+        with rt.allocate_in(pool, "transient pool"):
+            pass
+
+    errors = _in_thread(other, "dvla-inference")
     assert len(errors) == 1 and "'dvla-inference' allocates into a memory pool that thread 'MainThread' owns" \
         in errors[0]
+
+
+def test_brief_routings_take_turns_in_one_pool_and_never_overlap():
+    """An arena block is routed into its pool briefly, under the pool's lock: any thread may
+    (the sampling lane answering requests in the inference lane's pool while the lanes take
+    turns), but two threads at once are refused (PyTorch would refuse the second)."""
+    rt, pool = Runtime(), object()
+
+    def routed():
+        with rt.allocate_in(pool, "transient_inference pool"):
+            pass
+
+    routed()
+    assert _in_thread(routed, "dvla-sampling") == []  # in turn: fine
+    with rt.allocate_in(pool, "transient_inference pool"), rt.allocate_in(pool, "transient_inference pool"):
+        overlapping = _in_thread(routed, "dvla-sampling")  # (nested in one thread: one routing)
+    assert len(overlapping) == 1 and "'dvla-sampling' allocates into a memory pool while thread 'MainThread' does" \
+        in overlapping[0]
+    assert _in_thread(routed, "dvla-sampling") == []  # the routing ended with its block
+
+
+def test_a_cuda_runtime_made_for_a_pool_is_not_installed():
+    """``for_device`` on a CUDA device gives CUDA's runtime without installing it: a pool (or
+    a test) that asked for one leaves the process's runtime as it was, and a CPU pool never
+    gets a CUDA MemPool. A rank installs it for its life (``serving``) and removes it after.
+    (No CUDA call is made: a CudaRuntime touches the device only when used.)"""
+    from memory import runtime
+
+    cpu = runtime.current()
+    made = runtime.for_device("cuda")
+    assert isinstance(made, runtime.CudaRuntime) and runtime.current() is cpu
+    assert runtime.for_device("cuda:0") is made and made.new_mempool("cpu") is None
+    with runtime.serving("cuda") as rt:
+        assert rt is made and runtime.current() is made
+        assert TransientPool("cpu", None, name="host").mempool is None  # (a MemPool would need CUDA here)
+    assert runtime.current() is cpu
+
+
+def test_a_swimlane_run_leaves_the_runtime_it_found(tmp_path, monkeypatch):
+    """A rank's swimlane installs its device's runtime while it lives and puts back the one it
+    found when its run ends (here the device's runtime is a fake, as CUDA's would be)."""
+    from memory import runtime
+
+    fake, cpu = FakeRuntime(), runtime.current()
+    fake.bind_thread()
+    monkeypatch.setattr(runtime, "for_device", lambda device: fake)
+    lanes = Swimlane(_cfg(tmp_path, "run.iterations=2"))
+    assert runtime.current() is fake and lanes.memory.inference.mempool is not None
+    with fake.watching():
+        lanes.run()
+    assert runtime.current() is cpu and fake.violations == []
 
 
 def test_a_pinned_block_waits_for_its_copies_before_it_goes_out_again():
