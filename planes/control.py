@@ -50,6 +50,7 @@ import itertools
 import json
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -296,12 +297,14 @@ class WeightBroadcaster:
 
     # -- receivers ------------------------------------------------------------------------------
     @torch.no_grad()
-    def receive(self, into: list[Tensor] | None = None) -> int:
+    def receive(self, into: list[Tensor] | None = None, after: Any = None) -> int:
         """Block for the next version and write it straight into the module (or, with
-        ``into``, into those flat tensors, one per bucket). Returns the version, or
-        ``SHUTDOWN``."""
+        ``into``, into those flat tensors, one per bucket), once the device work before the
+        event ``after`` is done (the copies out of ``into`` that :meth:`load_flat` queued on
+        another thread's stream). Returns the version, or ``SHUTDOWN``."""
         version = self.receive_version()
         if version != SHUTDOWN:
+            self.rt.wait_event(after)  # (the collective's stream follows this thread's: memory/runtime.py)
             self.receive_buckets(version, into)
         return version
 
@@ -379,11 +382,14 @@ class WeightBroadcaster:
                     work.wait()
 
     @torch.no_grad()
-    def load_flat(self, flats: list[Tensor], version: int) -> None:
-        """Copy a received set of flat buckets into the model (one copy per bucket)."""
+    def load_flat(self, flats: list[Tensor], version: int) -> Any:
+        """Copy a received set of flat buckets into the model (one copy per bucket), queued
+        on the calling thread's stream; returns the event after the copies (None on the CPU):
+        ``flats`` may be written again only once it is done (:meth:`receive` ``after=``)."""
         for b, flat in zip(self.buckets, flats):
-            b.flat.copy_(flat)
+            self.rt.copy_async(b.flat, flat)
         self.version = version
+        return self.rt.record_event()
 
     def staging_buffers(self) -> list[Tensor]:
         """A fresh set of flat tensors shaped like the buckets (for double buffering). The

@@ -13,13 +13,16 @@ class WeightSubscriber:
     """Receives versions in a background thread; ``poll()`` applies the newest one.
 
     Two staging buffers: the thread always receives into the one that is not the
-    latest complete version, so ``poll`` copies a whole version, never a torn one.
+    latest complete version, so ``poll`` copies a whole version, never a torn one. On a GPU
+    ``poll``'s copies run after it returns: the thread receives into a buffer again only
+    after the event that follows them (its collective's stream waits for it).
     """
 
     def __init__(self, broadcaster: WeightBroadcaster):
         self.bc = broadcaster
         self._bufs = [broadcaster.staging_buffers(), broadcaster.staging_buffers()]
         self._locks = [threading.Lock(), threading.Lock()]
+        self._copied: list = [None, None]  # per buffer: the event after poll's copies out of it
         self._ready: tuple[int, int] | None = None  # (version, buffer index)
         self._ready_cv = threading.Condition()
         self.error: BaseException | None = None
@@ -33,7 +36,7 @@ class WeightSubscriber:
             while True:
                 idx = 0 if self._ready is None else 1 - self._ready[1]
                 with self._locks[idx]:
-                    version = self.bc.receive(into=self._bufs[idx])
+                    version = self.bc.receive(into=self._bufs[idx], after=self._copied[idx])
                 if version == SHUTDOWN:
                     break
                 with self._ready_cv:
@@ -69,7 +72,7 @@ class WeightSubscriber:
             try:
                 if self._ready != r:
                     continue
-                self.bc.load_flat(self._bufs[idx], version)
+                self._copied[idx] = self.bc.load_flat(self._bufs[idx], version)
                 return version
             finally:
                 self._locks[idx].release()

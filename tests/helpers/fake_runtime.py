@@ -43,8 +43,9 @@ class FakeStream:
 
 
 class FakeEvent:
-    def __init__(self, storages: set[int]):
+    def __init__(self, storages: set[int], copies: list | None = None):
         self.storages = storages  # pinned storages with copies queued before the event
+        self.copies = copies or []  # with deferred copies: those queued before the event
 
 
 class FakePool:
@@ -55,8 +56,14 @@ class FakeRuntime(Runtime):
     accelerated = True
     fake = True
 
-    def __init__(self):
+    def __init__(self, defer_copies: bool = False):
+        """``defer_copies``: :meth:`copy_async` runs a copy only once something waits for it
+        (the stream's :meth:`synchronize`, or an event after it that a stream or the host
+        waits for), as a GPU may: a buffer written again before then gives the copy the
+        newer contents, the race a missing event lets through."""
         super().__init__("cpu")
+        self.defer_copies = defer_copies
+        self._deferred: dict[int, list] = {}  # id(stream) -> [(dst, src)] not yet run
         self.violations: list[str] = []
         self._local = threading.local()
         self._default = FakeStream("default", "compute")
@@ -109,6 +116,14 @@ class FakeRuntime(Runtime):
         self._check("synchronize")
         with self._vlock:
             self._pending.pop(id(stream or self._stream()), None)
+            self._run_copies(list(self._deferred.get(id(stream or self._stream()), ())))
+
+    def _run_copies(self, copies: list) -> None:
+        """Run the deferred copies named that have not run yet (lock held)."""
+        for queue in self._deferred.values():
+            for copy in [c for c in queue if any(c is d for d in copies)]:
+                queue.remove(copy)
+                copy[0].copy_(copy[1])
 
     def record_stream(self, tensor, stream) -> None:
         self._check("record_stream")
@@ -116,10 +131,14 @@ class FakeRuntime(Runtime):
     def record_event(self, stream=None):
         self._check("record_event")
         with self._vlock:
-            return FakeEvent(set(self._pending.get(id(stream or self._stream()), ())))
+            key = id(stream or self._stream())
+            return FakeEvent(set(self._pending.get(key, ())), list(self._deferred.get(key, ())))
 
     def wait_event(self, event) -> None:
         self._check("wait_event")
+        if event is not None:
+            with self._vlock:
+                self._run_copies(event.copies)
 
     def host_wait(self, event) -> None:
         self._check("host_wait")
@@ -127,6 +146,7 @@ class FakeRuntime(Runtime):
             with self._vlock:
                 for pending in self._pending.values():
                     pending -= event.storages
+                self._run_copies(event.copies)
 
     def event_done(self, event) -> bool:
         return True
@@ -160,6 +180,10 @@ class FakeRuntime(Runtime):
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self._check("copy_async")
+        if self.defer_copies:
+            with self._vlock:
+                self._deferred.setdefault(id(self._stream()), []).append((dst, src))
+            return
         dst.copy_(src)
         ptr = dst.untyped_storage().data_ptr()
         with self._vlock:
@@ -169,6 +193,9 @@ class FakeRuntime(Runtime):
     @contextlib.contextmanager
     def collective(self):
         self._check("collective")
+        if self.defer_copies:  # the communication stream follows the thread's current one
+            with self._vlock:
+                self._run_copies(list(self._deferred.get(id(self._stream()), ())))
         comm = getattr(self._local, "comm", None) or FakeStream("comm", "comm")
         self._local.comm = comm
         before = getattr(self._local, "stream", None), getattr(self._local, "in_collective", False)

@@ -8,6 +8,7 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
+from tests.helpers.fake_runtime import FakeRuntime
 from tests.helpers.ranks import RankPool, free_port
 from torch import nn
 
@@ -95,6 +96,41 @@ def _subscriber(rank, world, group):
     if v is not None:
         polled.append(v)
     return {"digest": digest(model), "polled": polled}
+
+
+def _subscriber_on_a_stream(rank, world, group):
+    """Rank 1 polls on a lane stream of its own, under a fake runtime whose copies run only
+    once something waits for them (as a GPU's): after it applied version v the receiving
+    thread gets v + 1 and v + 2 (into the buffer v came from) before the poller's stream is
+    synchronized. The model must then hold v, not the newer buffer's contents."""
+    from tests.helpers.fake_runtime import installed
+
+    model = make_model(rank)
+    if rank == 0:
+        bc = WeightBroadcaster(model, src=0, group=group)
+        for version in range(1, 11):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+            bc.publish(version)
+        bc.shutdown()
+        return {"digest": digest(model)}
+    base = make_model(0)[0].weight.detach().clone()
+    with installed(FakeRuntime(defer_copies=True)) as fake:
+        fake.bind_thread()
+        bc = WeightBroadcaster(model, src=0, group=group)
+        sub = WeightSubscriber(bc)
+        with fake.use_stream(fake.new_stream()):  # the inference lane's stream, say
+            while (v := sub.poll()) is None:
+                time.sleep(0.001)
+            sub.wait_for(v + 2, timeout=60)
+            later = sub.latest_version
+            fake.synchronize()  # the poll's copies run now
+            held = float((model[0].weight.detach() - base).mean())
+            sub.join(60)
+            sub.poll()
+            fake.synchronize()
+    return {"digest": digest(model), "polled": v, "later": later, "held": held, "violations": fake.violations}
 
 
 def _separate_groups(rank, world, control):
@@ -226,7 +262,7 @@ def _relay(rank, world, control):
             "traffic": dict(bc.traffic), "buckets": len(bc.buckets)}
 
 
-SCENARIOS = {"relay": _relay, "frozen": _frozen, "hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
+SCENARIOS = {"subscriber_on_a_stream": _subscriber_on_a_stream, "relay": _relay, "frozen": _frozen, "hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
              "separate_groups": _separate_groups}
 
 
@@ -291,6 +327,17 @@ def test_subscriber_polls_without_blocking_and_ends_on_newest(pool):
         polled = res[r]["polled"]
         assert polled and polled == sorted(polled) and polled[-1] == 5
         assert res[r]["digest"] == res[0]["digest"]
+
+
+def test_a_subscriber_polling_on_a_stream_never_takes_a_newer_buffer(pool):
+    """The receiving thread writes a staging buffer again only after the event that follows
+    the copies out of it (#48, item 5): a GPU runs them later, on the poller's stream."""
+    res = run_ranks(pool, "subscriber_on_a_stream", 2)
+    got = res[1]
+    assert "error" not in got, got
+    assert got["later"] >= got["polled"] + 2  # the buffer the version came from was written again
+    assert abs(got["held"] - got["polled"]) < 1e-3, got  # version v's weights, not v + 2's
+    assert got["digest"] == res[0]["digest"] and got["violations"] == []
 
 
 def test_weight_traffic_on_its_own_group(pool):
