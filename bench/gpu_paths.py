@@ -11,10 +11,22 @@
   tensors (``swimlane.collective_backend=gloo``: NCCL needs a GPU per rank). Passes when rank
   1's replica holds the last version. Figure: versions received per second.
 
-On a CPU (``--device cpu``, the suite's ``--cpu-smoke``) the same runs take the CPU runtime.
+* ``sync``: sync mode with deterministic algorithms, four ways: the serial and the threaded
+  driver, each with CUDA streams on and off. Passes when all four end with bit-identical
+  weights (a stream race, or a lane reading weights mid-copy, breaks that first).
+* ``resume``: a run on the CPU stopped by SIGTERM (a checkpoint on its way out), then
+  continued with ``--resume`` on ``--device``: a CPU run's generator states meet a GPU's.
+  Passes when the resumed run ends at ``--iterations`` with every update accounted for.
+
+Both runs of ``colocated`` and ``receiver`` also check the weights: the replica's digest equals
+the digest of the learner's last version as published (cast to the publish dtype).
+
+On a CPU (``--device cpu``, the kit's ``--cpu-rehearsal``) the same runs take the CPU runtime.
 
     python bench/gpu_paths.py colocated --device cuda --iterations 12
     python bench/gpu_paths.py receiver --device cuda --iterations 8
+    python bench/gpu_paths.py sync --device cuda --iterations 4
+    python bench/gpu_paths.py resume --device cuda --iterations 6
 """
 
 from __future__ import annotations
@@ -66,10 +78,12 @@ def colocated(args) -> bool:
     t0 = time.perf_counter()
     summary = lanes.run()
     wall = time.perf_counter() - t0
+    same = summary.get("replica_digest") == summary.get("published_digest") is not None
     ok = summary["version"] == args.iterations and summary.get("replica_version") == args.iterations and \
-        not summary.get("error") and len(shapes) > 1
+        not summary.get("error") and len(shapes) > 1 and same
     print(f"colocated: {'PASS' if ok else 'FAIL'} device={args.device} versions={summary['version']} "
-          f"replica={summary.get('replica_version')} batch_shapes={sorted(shapes)} "
+          f"replica={summary.get('replica_version')} replica_weights={'as published' if same else 'DIFFER'} "
+          f"batch_shapes={sorted(shapes)} "
           f"env_steps_per_s={summary.get('env_steps_per_s', 0):.0f} versions_per_s={summary['version'] / wall:.2f}")
     return ok
 
@@ -91,9 +105,12 @@ def receiver(args) -> bool:
     except (OSError, ValueError):
         print(f"receiver: FAIL exit {proc.returncode}\n{proc.stderr[-3000:]}")
         return False
-    ok = proc.returncode == 0 and lead["version"] == args.iterations and other.get("replica_version") == args.iterations
+    same = other.get("replica_digest") == lead.get("published_digest") is not None
+    ok = proc.returncode == 0 and lead["version"] == args.iterations and \
+        other.get("replica_version") == args.iterations and same
     print(f"receiver: {'PASS' if ok else 'FAIL'} device={args.device} versions={lead['version']} "
-          f"rank1_replica={other.get('replica_version')} roles={lead['role']}/{other['role']} "
+          f"rank1_replica={other.get('replica_version')} rank1_weights={'as published' if same else 'DIFFER'} "
+          f"roles={lead['role']}/{other['role']} "
           f"visible={lead.get('cuda_visible_devices')}/{other.get('cuda_visible_devices')} "
           f"versions_per_s={lead['version'] / wall:.2f} (torchrun start included)")
     if not ok:
@@ -101,16 +118,82 @@ def receiver(args) -> bool:
     return ok
 
 
+def sync(args) -> bool:
+    """Four sync-mode runs that must end with the same weights, bit for bit."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (before CUDA starts: deterministic cuBLAS)
+    import torch
+
+    from dvla.config import apply_overrides
+    from dvla.config.presets import fast_reach
+    from swimlane import Swimlane
+
+    torch.use_deterministic_algorithms(True)
+    digests = {}
+    for driver in ("serial", "threads"):
+        for streams in ("false", "true"):
+            out = Path(tempfile.mkdtemp(prefix="gpu_paths_sync_"))
+            cfg = apply_overrides(fast_reach(), [
+                f"run.out_dir={out}", f"run.device={args.device}", f"run.iterations={args.iterations}",
+                "run.progress=false", f"env.n_envs={args.envs}", f"env.image_size={args.image}", "swimlane.mode=sync",
+                f"swimlane.driver={driver}", f"swimlane.cuda_streams={streams}", "swimlane.trace=false",
+                "run.seed=7"])
+            summary = Swimlane(cfg).run()
+            digests[f"{driver}/streams={streams}"] = (summary["version"], summary.get("weights_digest"))
+    ok = len(set(digests.values())) == 1 and all(v == args.iterations for v, _ in digests.values())
+    print(f"sync: {'PASS' if ok else 'FAIL'} device={args.device} " +
+          " ".join(f"{k}:v{v}:{(d or 'none')[:12]}" for k, (v, d) in digests.items()))
+    return ok
+
+
+def resume(args) -> bool:
+    """SIGTERM a CPU run after its first update, continue it on ``--device``."""
+    import signal
+
+    out = Path(tempfile.mkdtemp(prefix="gpu_paths_resume_"))
+    base = [sys.executable, "-m", "dvla.launch", "--preset", "fast_reach", f"run.out_dir={out}", "run.progress=false",
+            f"env.n_envs={args.envs}", f"env.image_size={args.image}", "swimlane.trace=false",
+            f"run.iterations={args.iterations}"]
+    first = subprocess.Popen([*base, "run.device=cpu"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    lines = []
+    for line in first.stdout:  # the first update's line: then stop it
+        lines.append(line)
+        if "iter 0:" in line:
+            first.send_signal(signal.SIGTERM)
+            break
+    rest, _ = first.communicate(timeout=args.timeout)
+    lines.append(rest)
+    again = subprocess.run([*base, "--resume", f"run.device={args.device}"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=args.timeout)
+    runs = sorted(p for p in out.iterdir() if p.is_dir())
+    try:
+        summary = json.loads((runs[-1] / "summary.json").read_text())
+    except (IndexError, OSError, ValueError):
+        print(f"resume: FAIL stopped with exit {first.returncode}, resumed with exit {again.returncode}\n"
+              f"{''.join(lines)[-2000:]}\n{again.stdout[-2000:]}{again.stderr[-2000:]}")
+        return False
+    ok = first.returncode == 0 and again.returncode == 0 and summary["version"] == args.iterations and \
+        summary.get("resumed_from", 0) >= 1
+    print(f"resume: {'PASS' if ok else 'FAIL'} stopped on cpu (exit {first.returncode}), resumed on {args.device} "
+          f"from update {summary.get('resumed_from')} to {summary['version']} (exit {again.returncode})")
+    if not ok:
+        print(again.stderr[-3000:])
+    return ok
+
+
+PATHS = {"colocated": colocated, "receiver": receiver, "sync": sync, "resume": resume}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("path", choices=["colocated", "receiver"])
+    ap.add_argument("path", choices=list(PATHS))
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--iterations", type=int, default=12)
     ap.add_argument("--envs", type=int, default=32)
     ap.add_argument("--image", type=int, default=32)
     ap.add_argument("--timeout", type=float, default=300.0)
     args = ap.parse_args()
-    return 0 if (colocated if args.path == "colocated" else receiver)(args) else 1
+    return 0 if PATHS[args.path](args) else 1
 
 
 if __name__ == "__main__":

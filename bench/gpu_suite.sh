@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The first thing to run on a machine with a GPU: dvla's GPU paths and figures in one go.
+# dvla's further GPU figures, a call after the GPU kit (bench/gpu_kit.sh, the first one: the
+# CUDA tests, the GPU paths, the memory pools and the learner's figures are its steps now).
 #
-#   bench/gpu_suite.sh [--out FILE]        on the GPU machine (budget: about 8 minutes on one GPU)
+#   bench/gpu_suite.sh [--out FILE]        on the GPU machine (budget: about 6 minutes on one GPU)
 #   bench/gpu_suite.sh --cpu-smoke         the same steps, tiny, on the CPU (CI runs this)
 #   bench/gpu_suite.sh --only a,b          only the steps named (either mode)
 #
@@ -11,15 +12,7 @@
 # for bench/RESULTS.md.
 #
 # Steps:
-#   gpu-tests  the tests that skip without CUDA (CUDA memory pools, lane streams, the NCCL group bound to its GPU; NCCL between ranks needs 2 GPUs)
-#   colocated  one rank, async, memory pools + CUDA streams + bf16 replicas, several versions, new
-#              inference batch shapes while the gradient lane updates (bench/gpu_paths.py)
-#   receiver   two processes sharing the GPU: learner-only rank 0, rollout-only rank 1, the control
-#              plane on gloo with CUDA tensors (bench/gpu_paths.py)
 #   broadcast  control-plane broadcast vs one raw broadcast (NCCL with >= 2 GPUs, else gloo)
-#   memory     CUDA memory pools vs the caching allocator under churn (peak reserved, fragmentation)
-#   learner    token_vla learner updates: bf16 autocast and an FSDP2-sharded bf16 learner vs fp32
-#              (tokens/s, MFU)
 #   overlap    inference and learning at once, each lane on its own CUDA stream vs the default stream
 #   swimlane   async vs sync on genesis_reach with its GPU backend (fast_reach in the smoke)
 #   dataplane  the ZeroMQ data plane vs raw sockets
@@ -45,7 +38,7 @@ while [ $# -gt 0 ]; do
 done
 for name in ${ONLY//,/ }; do
   case "$name" in
-    gpu-tests|colocated|receiver|broadcast|memory|learner|overlap|swimlane|dataplane|libero) ;;
+    broadcast|overlap|swimlane|dataplane|libero) ;;
     *) echo "gpu_suite.sh: --only: unknown step $name (see the list at the top of this script)" >&2; exit 2 ;;
   esac
 done
@@ -75,33 +68,19 @@ step() {  # step NAME TIMEOUT_S COMMAND...
 GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 
 if [ "$SMOKE" -eq 1 ]; then
-  if [ "$GPUS" -gt 0 ]; then
-    step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_nccl.py tests/unit/memory/test_memory.py tests/unit/swimlane/test_streams.py tests/unit/dvla/test_groups.py -k "cuda or nccl"
-  else  # every one of them skips without CUDA: nothing to run
-    echo "== gpu-tests: no CUDA here, skipped" | tee -a "$OUT"
-  fi
-  step colocated 120 "$PY" bench/gpu_paths.py colocated --device cpu --iterations 6 --envs 16 --image 16
-  step receiver 180 "$PY" bench/gpu_paths.py receiver --device cpu --iterations 3 --envs 8 --image 16
   step broadcast 120 "$PY" bench/weight_broadcast.py --world 2 --mb 4 --layers 8 --repeats 1
-  step memory 120 "$PY" bench/memory_churn.py --iters 20
-  step learner 120 "$PY" bench/learner_step.py --size tiny --device cpu --samples 16 --updates 1 --image 32 --fsdp
   step overlap 120 "$PY" bench/stream_overlap.py --size tiny --device cpu --samples 4 --infer-batch 4 --infer 2 \
     --updates 1 --image 32 --repeats 1
   step swimlane 240 "$PY" bench/async_vs_sync.py --iterations 2 --envs 8 --image 16 --repeats 1 \
     --render-cost-ms 1 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png"
   step dataplane 120 "$PY" bench/data_plane.py --messages 20 --blocks 2
 else
-  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider tests/integration/test_nccl.py tests/unit/memory/test_memory.py tests/unit/swimlane/test_streams.py tests/unit/dvla/test_groups.py -k "cuda or nccl"
-  step colocated 120 "$PY" bench/gpu_paths.py colocated --device cuda --iterations 12 --envs 64 --image 64
-  step receiver 150 "$PY" bench/gpu_paths.py receiver --device cuda --iterations 8 --envs 64 --image 64
   if [ "$GPUS" -ge 2 ]; then
     step broadcast 90 "$PY" bench/weight_broadcast.py --world 2 --mb 1000 --layers 200 --repeats 5
   else
     echo "== broadcast: NCCL needs two GPUs (this machine has $GPUS); gloo on the CPU instead" | tee -a "$OUT"
     step broadcast 90 env CUDA_VISIBLE_DEVICES= "$PY" bench/weight_broadcast.py --world 2 --mb 200 --repeats 5
   fi
-  step memory 60 "$PY" bench/memory_churn.py --iters 300
-  step learner 120 "$PY" bench/learner_step.py --size 0.5b --device cuda --samples 64 --micro-batch 16 --updates 3 --fsdp
   step overlap 60 "$PY" bench/stream_overlap.py --size 0.5b --device cuda --repeats 3
   step swimlane 150 "$PY" bench/async_vs_sync.py --env genesis_reach --iterations 6 --envs 64 --image 64 \
     --repeats 1 --threads 4 --gantt "$(dirname "$OUT")/gpu_suite_gantt.png" --set run.device=cuda

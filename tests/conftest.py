@@ -4,7 +4,7 @@
 pytest-xdist workers (``-n auto --dist loadgroup`` in pyproject.toml; ``-n 0`` runs them in
 this process). ``-n auto`` means three workers where the run takes the whole suite on a machine
 of two cores or more, none where files or tests are named on the command line (a single test
-under a debugger, bench/gpu_suite.sh's GPU tests) or there is one core. Three on two cores:
+under a debugger, bench/gpu_kit.sh's CUDA tests) or there is one core. Three on two cores:
 many tests wait more than they compute (the soak's learner, stragglers made slow by sleeping,
 rank failures detected by timeouts), and a third worker computes meanwhile (9 min 11 s for the
 suite with three, 11 min 15 s with two, on 2 cores; CPU time alike).

@@ -4,7 +4,7 @@ communicator is built then and not by the first collective (``shutdown()``'s bar
 rank whose peer has left, would wait out the whole collective timeout). On the CPU the group
 is gloo's alone and bound to no device. Ranks of a host that would share a GPU are refused
 NCCL with one line (issue #48, 6). Real groups of one rank, through the environment torchrun
-gives; the GPU tests run in bench/gpu_suite.sh's gpu-tests step."""
+gives; the GPU tests run in bench/gpu_kit.sh's cuda-tests step."""
 
 from __future__ import annotations
 
