@@ -80,16 +80,17 @@ PATHS = (PY, "bench/gpu_paths.py")
 
 STEPS: tuple[Step, ...] = (
     Step("cuda-tests", 60, "the tests that need CUDA: memory pools and MemPools, lane streams and their priorities, "
-         "pinned copies, the NCCL group bound to its GPU, the device runtime",
+         "pinned copies, the NCCL group bound to its GPU, the device runtime, a weight subscriber on a stream",
          (*PYTEST, "tests/unit/memory/test_memory.py", "tests/unit/swimlane/test_streams.py",
-          "tests/unit/dvla/test_groups.py", "tests/unit/memory/test_device_runtime.py", "-k", "cuda or nccl"),
+          "tests/unit/dvla/test_groups.py", "tests/unit/memory/test_device_runtime.py",
+          "tests/integration/test_control_plane.py", "-k", "cuda or nccl"),
          (*PYTEST, "tests/unit/memory/test_device_runtime.py", "-k", "turns or brief or held or cuda_runtime"),
          env=(("CUDA_LAUNCH_BLOCKING", "0"),)),
     Step("colocated", 50, "one async rank with pools, streams and bf16 replicas: every version learned and "
          "published, the replica's weights as published, new batch shapes midway",
          (*PATHS, "colocated", "--device", "cuda", "--iterations", "12", "--envs", "64", "--image", "64"),
          (*PATHS, "colocated", "--device", "cpu", "--iterations", "6", "--envs", "16", "--image", "16")),
-    Step("receiver", 70, "two processes on one GPU, learner and rollout rank: rank 1's replica holds the last "
+    Step("receiver", 60, "two processes on one GPU, learner and rollout rank: rank 1's replica holds the last "
          "version, its weights as published",
          (*PATHS, "receiver", "--device", "cuda", "--iterations", "8", "--envs", "64", "--image", "64"),
          (*PATHS, "receiver", "--device", "cpu", "--iterations", "3", "--envs", "8", "--image", "16")),
@@ -117,13 +118,18 @@ STEPS: tuple[Step, ...] = (
          (*LAUNCH, "run.device=cpu", "run.iterations=3", "env.n_envs=8", "env.image_size=16", "memory.enabled=true",
           "swimlane.take_turns=true", "swimlane.autotune=true", "swimlane.autotune_window_s=0.5",
           "run.out_dir={work}/turns")),
-    Step("memory", 40, "memory pools against the caching allocator under churn: peak reserved, fragmentation",
+    Step("memory", 30, "memory pools against the caching allocator under churn: peak reserved, fragmentation",
          (PY, "bench/memory_churn.py", "--iters", "300"), (PY, "bench/memory_churn.py", "--iters", "20")),
-    Step("resume", 60, "a CPU run stopped by SIGTERM, resumed with --resume on the GPU: generator states "
+    Step("pools-budget", 40, "pools against the plain caching allocator near capacity "
+         "(set_per_process_memory_fraction): reserved over 50 learner updates, OOMs, MemPools given back",
+         (PY, "bench/pool_pressure.py", "--device", "cuda", "--fraction", "0.1", "--updates", "50"),
+         (PY, "bench/pool_pressure.py", "--device", "cpu", "--updates", "4", "--hidden", "64", "--layers", "2",
+          "--batch", "64")),
+    Step("resume", 50, "a CPU run stopped by SIGTERM, resumed with --resume on the GPU: generator states "
          "across device types, every update accounted for",
          (*PATHS, "resume", "--device", "cuda", "--iterations", "6", "--envs", "16", "--image", "32"),
          (*PATHS, "resume", "--device", "cpu", "--iterations", "3", "--envs", "8", "--image", "16")),
-    Step("learner", 80, "the first figures: token_vla learner updates at 0.5B, bf16 and FSDP2-sharded bf16 "
+    Step("learner", 60, "the first figures: token_vla learner updates at 0.5B, bf16 and FSDP2-sharded bf16 "
          "against fp32 (tokens/s, MFU)",
          (PY, "bench/learner_step.py", "--size", "0.5b", "--device", "cuda", "--samples", "64", "--micro-batch", "16",
           "--updates", "3", "--fsdp"),

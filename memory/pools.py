@@ -206,12 +206,29 @@ class _DevicePool:
         #: ``torch.cuda.MemPool`` holding this pool's segments on a GPU (the runtime's); None
         #: on the CPU and for a host pool. One thread only routes allocations into it.
         self.mempool = self.runtime.new_mempool(self.device) if self.runtime.accelerated and not host else None
+        self.mempools_retired = 0  # MemPools given back near capacity (give_back_segments)
 
     def _routed(self, held: bool = False):
         """Context under which the calling thread's new device allocations land in this
         pool's segments: briefly, under the pool's lock (any thread), or ``held`` for a whole
         pass (only the pool's owning thread: memory/runtime.py)."""
         return self.runtime.allocate_in(self.mempool, f"{self.name} pool", held=held)
+
+    def give_back_segments(self) -> bool:
+        """Near the device's capacity: what this pool's ``MemPool`` holds unused goes back to
+        the device, for allocations outside the pool (a backward pass's, from the default
+        pool). A live MemPool keeps its free segments (``empty_cache`` leaves them), so the
+        pool takes a fresh MemPool for what it allocates next and drops the old one: the
+        device gets its segments back as their blocks are freed. Not while a thread routes
+        into it (False then)."""
+        old = self.mempool
+        if old is None or not self.runtime.retire(old):
+            return False
+        self.mempool = self.runtime.new_mempool(self.device)
+        self.mempools_retired += 1
+        del old
+        self.runtime.empty_cache()
+        return True
 
     def device_segments(self) -> dict[str, int] | None:
         """On CUDA, what the caching allocator holds for this pool's ``MemPool``:

@@ -136,6 +136,19 @@ class Runtime:
                                       f"{routing[1]!r} does; a brief routing takes the pool's lock")
             self._routing[id(pool)] = (me, my_name, (routing or (0, "", 0))[2] + 1)
 
+    def retire(self, pool: Any) -> bool:
+        """Forget ``pool`` (its owner) before it is dropped, unless a thread routes into it
+        now (False then: it must stay)."""
+        with self._lock:
+            if id(pool) in self._routing:
+                return False
+            self._owners.pop(id(pool), None)
+            return True
+
+    def empty_cache(self) -> None:
+        """Give the device back the caching allocator's unused segments (those of pools no
+        longer alive too)."""
+
     def _leave(self, pool: Any) -> None:
         with self._lock:
             me, name, depth = self._routing[id(pool)]
@@ -253,6 +266,9 @@ class CudaRuntime(Runtime):
 
     def _route(self, pool: Any):
         return torch.cuda.use_mem_pool(pool, self.device)
+
+    def empty_cache(self) -> None:
+        torch.cuda.empty_cache()
 
     def pinned_empty(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

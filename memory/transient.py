@@ -144,16 +144,22 @@ class TransientPool(_DevicePool):
             self._zero[key] = weakref.ref(t, forget)
         return t
 
+    def _held(self) -> int:
+        """Bytes this pool holds against its budget: its arena's blocks, and on a GPU all
+        that lives in its ``MemPool`` (the activations routed there too; lock held)."""
+        segments = self.device_segments() if self.budget_bytes is not None else None
+        return max(self._reserved, segments["allocated_bytes"] if segments else 0)
+
     def _new_block(self, size: int, nbytes: int, shape, dtype) -> _Block:
         # Called with the lock held.
-        if self.budget_bytes is not None and self._reserved + size > self.budget_bytes:
-            self._evict(self._reserved + size - self.budget_bytes)
-            if self._reserved + size > self.budget_bytes:
+        if self.budget_bytes is not None and self._held() + size > self.budget_bytes:
+            self._evict(self._held() + size - self.budget_bytes)
+            if self._held() + size > self.budget_bytes:
                 raise PoolBudgetError(
                     self.name,
                     nbytes,
                     self.budget_bytes,
-                    reserved_bytes=self._reserved,
+                    reserved_bytes=self._held(),
                     in_use_bytes=self._in_use,
                     shape=shape,
                     dtype=dtype,
@@ -162,8 +168,10 @@ class TransientPool(_DevicePool):
         try:
             data = self._allocate(size)
         except torch.OutOfMemoryError:
-            # The device is full: give back what we cache and try once more.
+            # The device is full: give back what we cache, and the segments our MemPool
+            # would keep for itself, then try once more.
             self._evict(self._reserved)
+            self.give_back_segments()
             data = self._allocate(size)
         self._allocations += 1
         self._reserved += size

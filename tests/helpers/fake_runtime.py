@@ -71,6 +71,7 @@ class FakeRuntime(Runtime):
         self._pending: dict[int, set[int]] = {}  # id(stream) -> pinned storages with copies in flight
         self._vlock = threading.Lock()
         self.collectives = 0
+        self.emptied = 0  # empty_cache calls
         self.routed: dict[str, set[str]] = {}  # pool name -> the threads that routed allocations into it
 
     # -- recording -------------------------------------------------------------------------
@@ -153,6 +154,9 @@ class FakeRuntime(Runtime):
 
     def new_mempool(self, device=None):
         return FakePool()
+
+    def empty_cache(self) -> None:
+        self.emptied += 1
 
     def _enter(self, pool, name: str, held: bool) -> None:
         self._check("allocate_in")

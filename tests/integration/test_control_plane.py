@@ -119,18 +119,46 @@ def _subscriber_on_a_stream(rank, world, group):
     with installed(FakeRuntime(defer_copies=True)) as fake:
         fake.bind_thread()
         bc = WeightBroadcaster(model, src=0, group=group)
-        sub = WeightSubscriber(bc)
-        with fake.use_stream(fake.new_stream()):  # the inference lane's stream, say
-            while (v := sub.poll()) is None:
-                time.sleep(0.001)
-            sub.wait_for(v + 2, timeout=60)
-            later = sub.latest_version
-            fake.synchronize()  # the poll's copies run now
-            held = float((model[0].weight.detach() - base).mean())
-            sub.join(60)
-            sub.poll()
-            fake.synchronize()
-    return {"digest": digest(model), "polled": v, "later": later, "held": held, "violations": fake.violations}
+        got = _poll_on_a_stream(bc, fake, base)
+    return {"digest": digest(model), **got, "violations": fake.violations}
+
+
+def _poll_on_a_stream(bc, rt, base) -> dict:
+    sub = WeightSubscriber(bc)
+    with rt.use_stream(rt.new_stream()):  # the inference lane's stream, say
+        while (v := sub.poll()) is None:
+            time.sleep(0.001)
+        sub.wait_for(v + 2, timeout=60)
+        later = sub.latest_version
+        rt.synchronize()  # (with the fake: the poll's copies run now)
+        held = float((next(bc.module.parameters()).detach().cpu() - base).mean())  # the first layer's weight
+        sub.join(60)
+        sub.poll()
+        rt.synchronize()
+    return {"polled": v, "later": later, "held": held}
+
+
+def _cuda_subscriber(rank, world, group):
+    """The same on a GPU both ranks share, gloo carrying CUDA tensors, the poller on a CUDA
+    stream of its own."""
+    from memory import runtime
+
+    with runtime.serving("cuda") as rt:
+        rt.bind_thread()
+        model = make_model(rank).cuda()
+        if rank == 0:
+            bc = WeightBroadcaster(model, src=0, group=group, device=torch.device("cuda"))
+            for version in range(1, 11):
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1.0)
+                bc.publish(version)
+            bc.shutdown()
+            return {"digest": digest(model.cpu())}
+        base = make_model(0)[0].weight.detach().clone()
+        bc = WeightBroadcaster(model, src=0, group=group, device=torch.device("cuda"))
+        got = _poll_on_a_stream(bc, rt, base)
+        return {"digest": digest(model.cpu()), **got}
 
 
 def _separate_groups(rank, world, control):
@@ -262,7 +290,7 @@ def _relay(rank, world, control):
             "traffic": dict(bc.traffic), "buckets": len(bc.buckets)}
 
 
-SCENARIOS = {"subscriber_on_a_stream": _subscriber_on_a_stream, "relay": _relay, "frozen": _frozen, "hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
+SCENARIOS = {"subscriber_on_a_stream": _subscriber_on_a_stream, "cuda_subscriber": _cuda_subscriber, "relay": _relay, "frozen": _frozen, "hierarchical": _hierarchical, "broadcast": _broadcast, "mismatch": _mismatch, "subscriber": _subscriber,
              "separate_groups": _separate_groups}
 
 
@@ -338,6 +366,14 @@ def test_a_subscriber_polling_on_a_stream_never_takes_a_newer_buffer(pool):
     assert got["later"] >= got["polled"] + 2  # the buffer the version came from was written again
     assert abs(got["held"] - got["polled"]) < 1e-3, got  # version v's weights, not v + 2's
     assert got["digest"] == res[0]["digest"] and got["violations"] == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_a_subscriber_polling_on_a_stream_holds_the_version_it_applied(pool):
+    res = run_ranks(pool, "cuda_subscriber", 2)
+    got = res[1]
+    assert "error" not in got, got
+    assert abs(got["held"] - got["polled"]) < 1e-3 and got["digest"] == res[0]["digest"], got
 
 
 def test_weight_traffic_on_its_own_group(pool):

@@ -55,7 +55,7 @@ def test_a_cpu_rehearsal_installs_the_wheels_runs_the_steps_and_writes_the_verdi
     wheels = tmp_path / "wheels"
     _wheel(wheels)
     proc = _kit("run", "--cpu-rehearsal", "--out", str(out), "--wheels", str(wheels),
-                "--only", "colocated,receiver,sync,shared-gpu,memory,resume,learner")
+                "--only", "colocated,receiver,sync,shared-gpu,memory,pools-budget,resume,learner")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["steps.log", "verdict.json", "verdict.txt"]
     table = (out / "verdict.txt").read_text()
@@ -63,15 +63,16 @@ def test_a_cpu_rehearsal_installs_the_wheels_runs_the_steps_and_writes_the_verdi
     verdict = json.loads((out / "verdict.json").read_text())
     rows = {r["step"]: r for r in verdict["steps"]}
     # --only: those, in the kit's order
-    assert list(rows) == ["install", "colocated", "receiver", "sync", "shared-gpu", "memory", "resume", "learner"]
+    assert list(rows) == ["install", "colocated", "receiver", "sync", "shared-gpu", "memory", "pools-budget", "resume",
+                          "learner"]
     assert rows["install"]["result"] == "passed" and "kitprobe 1.0" in rows["install"]["error"]
     assert all(r["result"] == "passed" for name, r in rows.items() if name != "shared-gpu"), table
     assert rows["shared-gpu"] == {"step": "shared-gpu", "result": "skipped", "seconds": 0.0, "error": "no CPU half"}
     log = (out / "steps.log").read_text()
     for figure in ("colocated: PASS", "replica_weights=as published", "receiver: PASS", "rank1_weights=as published",
-                   "sync: PASS", "pool/plain", "resume: PASS", "ratio bf16/fp32 =", "ratio fsdp-bf16/fp32 ="):
+                   "sync: PASS", "pool/plain", "pool_pressure: PASS", "resume: PASS", "ratio bf16/fp32 =", "ratio fsdp-bf16/fp32 ="):
         assert figure in log, figure
-    assert "0 step(s) failed or not run, 7 passed" in table
+    assert "0 step(s) failed or not run, 8 passed" in table
 
 
 @pytest.mark.slow

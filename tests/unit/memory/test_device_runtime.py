@@ -192,6 +192,62 @@ def test_brief_routings_take_turns_in_one_pool_and_never_overlap():
     assert _in_thread(routed, "dvla-sampling") == []  # the routing ended with its block
 
 
+def test_near_capacity_a_pool_gives_its_unused_segments_back(monkeypatch):
+    """An arena block that meets a full device: the pool drops its cached blocks and its
+    MemPool (a live one keeps its free segments from the default pool, where the backward
+    pass allocates), takes a fresh one, empties the cache and tries once more (#48, item 4).
+    Not while a pass routes into the pool: then the blocks only."""
+    with installed() as fake:
+        fake.bind_thread()
+        pool = TransientPool("cpu", None, name="transient")
+        cached = pool.empty((256,), torch.float32)
+        pool.release(cached)
+        first, real = pool.mempool, pool._allocate
+        full = {"n": 0}
+
+        def allocate(size):
+            full["n"] += 1
+            if full["n"] == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (the device is full)")
+            return real(size)
+
+        monkeypatch.setattr(pool, "_allocate", allocate)
+        t = pool.empty((4096,), torch.float32)
+        assert t.numel() == 4096 and pool.mempool is not first and pool.mempools_retired == 1
+        assert fake.emptied == 1 and pool.stats().reserved_bytes == pool._live[t.data_ptr()].block.size
+        pool.release(t)
+        with pool.activations():  # a pass routes into the pool: it must keep its MemPool
+            full["n"] = 0
+            pool.trim()
+            pool.empty((8192,), torch.float32)
+        assert pool.mempools_retired == 1 and fake.emptied == 1 and fake.violations == []
+
+
+def test_a_transient_budget_counts_what_lives_in_the_pools_segments():
+    """On a GPU the transient pool's budget holds for all its MemPool holds, the activations
+    routed there as well as the arena's blocks (#48, item 4; the arena alone was counted)."""
+    from memory import PoolBudgetError
+    from tests.helpers.fake_runtime import FakePool
+
+    class Segments(FakePool):
+        activations = 0
+
+        def snapshot(self, include_traces=True):
+            return [{"device": None, "total_size": 8 << 20, "allocated_size": self.activations + arena()}]
+
+    with installed(FakeRuntime()) as fake:
+        fake.bind_thread()
+        fake.new_mempool = lambda device=None: Segments()
+        pool = TransientPool("cpu", 2 << 20, name="transient")
+        arena = lambda: pool._reserved  # noqa: E731 (the arena's blocks live in the segments too)
+        pool.release(pool.empty((256 << 10,), torch.float32))  # 1 MiB of arena: within 2 MiB
+        pool.mempool.activations = 1 << 20  # a forward pass holds 1 MiB of activations there
+        pool.trim()
+        pool.release(pool.empty((256 << 10,), torch.float32))  # 1 + 1 MiB: still within
+        with pytest.raises(PoolBudgetError, match="transient"):
+            pool.empty((512 << 10,), torch.float32)  # 2 MiB more beside the activations: over
+
+
 def test_a_cuda_runtime_made_for_a_pool_is_not_installed():
     """``for_device`` on a CUDA device gives CUDA's runtime without installing it: a pool (or
     a test) that asked for one leaves the process's runtime as it was, and a CPU pool never
