@@ -14,6 +14,8 @@
 * ``sync``: sync mode with deterministic algorithms, four ways: the serial and the threaded
   driver, each with CUDA streams on and off. Passes when all four end with bit-identical
   weights (a stream race, or a lane reading weights mid-copy, breaks that first).
+* ``group`` (under torchrun): a learner rank's collectives on the launcher's group, each
+  checked (``cpu:gloo,cuda:nccl`` on a GPU; see :func:`group`).
 * ``resume``: a run on the CPU stopped by SIGTERM (a checkpoint on its way out), then
   continued with ``--resume`` on ``--device``: a CPU run's generator states meet a GPU's.
   Passes when the resumed run ends at ``--iterations`` with every update accounted for.
@@ -27,6 +29,7 @@ On a CPU (``--device cpu``, the kit's ``--cpu-rehearsal``) the same runs take th
     python bench/gpu_paths.py receiver --device cuda --iterations 8
     python bench/gpu_paths.py sync --device cuda --iterations 4
     python bench/gpu_paths.py resume --device cuda --iterations 6
+    torchrun --standalone --nproc_per_node=1 bench/gpu_paths.py group --device cuda
 """
 
 from __future__ import annotations
@@ -181,7 +184,81 @@ def resume(args) -> bool:
     return ok
 
 
-PATHS = {"colocated": colocated, "receiver": receiver, "sync": sync, "resume": resume}
+def group(args) -> bool:
+    """Under torchrun: what a learner rank asks of the group the launcher makes for it
+    (``cpu:gloo,cuda:nccl`` on a GPU), each checked: the weight broadcaster's publish, the
+    gradient all-reduce (plain and masked), small all-reduces, an FSDP2 learner in bf16 with
+    activation checkpointing, its checkpoint gathered from the shards, ``shutdown()``, and the
+    abort path (a group torn down without its barrier)."""
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from learner_step import make_batch
+
+    from dvla.algos import build_algorithm
+    from dvla.algos.optim import all_reduce_small
+    from dvla.config import AlgoConfig
+    from dvla.distributed import init_from_env, shutdown
+    from dvla.distributed.groups import allreduce_mean_grads, sum_over_group
+    from dvla.distributed.sharding import checkpoint_activations, full_state_dict, shard_learner
+    from dvla.policy import PolicySpec, build_policy
+    from memory import runtime
+    from planes.control import WeightBroadcaster, new_control_group
+
+    device = torch.device(args.device)
+    checks: dict[str, bool] = {}
+    with runtime.serving(device) as rt:
+        rank, world = init_from_env(device=args.device)
+        backend = str(dist.get_backend_config())
+        torch.manual_seed(0)
+        mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)).to(device)
+        bc = WeightBroadcaster(mlp, src=0, group=new_control_group(device=device), bucket_bytes=1024)
+        if rank == 0:
+            bc.publish(1)
+            bc.shutdown()
+        else:
+            while bc.receive() >= 0:
+                pass
+        checks["publish"] = bc.version == 1
+        params = list(mlp.parameters())
+        for p in params:
+            p.grad = torch.full_like(p, float(rank + 1))
+        allreduce_mean_grads(params)
+        checks["grad all-reduce"] = all(torch.allclose(p.grad, torch.full_like(p, (world + 1) / 2)) for p in params)
+        counted = allreduce_mean_grads(params, masked=True, contributes=rank == 0)
+        checks["masked all-reduce"] = counted == 1 and all(
+            torch.allclose(p.grad, torch.full_like(p, (world + 1) / 2)) for p in params)
+        checks["small all-reduces"] = all_reduce_small([1.0, 2.5], torch.float64, None, device) == [world, 2.5 * world] \
+            and sum_over_group({"n": 1.0}) == {"n": float(world)}
+        spec = PolicySpec((3, args.image, args.image), 8, 7, 1)
+        policy = build_policy("token_vla", spec, {"size": "tiny", "n_bins": 256,
+                                                  "vision": {"image_size": args.image}}).to(device)
+        algo = build_algorithm(AlgoConfig(name="grpo", group_size=4, update_epochs=1, minibatches=1, lr=1e-4,
+                                          precision="bf16", shard="fsdp"), policy)
+        batch = make_batch(policy, 8, args.image, device)
+        shard_learner(algo, dist.group.WORLD)
+        wrapped = checkpoint_activations(algo.policy)
+        stats = algo.update(batch, torch.Generator().manual_seed(0))
+        rt.synchronize()
+        checks["fsdp bf16 update"] = wrapped > 0 and all(
+            v == v for v in stats.values() if isinstance(v, float))  # (NaN != NaN)
+        whole = full_state_dict(algo.policy)
+        names = {n for n, _ in policy.named_parameters()}
+        checks["checkpoint from shards"] = names <= set(whole) and all(
+            bool(torch.isfinite(v).all()) for v in whole.values() if v.is_floating_point())
+        shutdown()
+        checks["shutdown"] = not dist.is_initialized()
+        init_from_env(device=args.device)  # again, then torn down as on an error path
+        shutdown(barrier=False)
+        checks["abort path"] = not dist.is_initialized() or "nccl" in backend
+    ok = all(checks.values())
+    print(f"group: {'PASS' if ok else 'FAIL'} rank {rank} of {world} on {backend}: " +
+          ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()), flush=True)
+    return ok
+
+
+PATHS = {"colocated": colocated, "receiver": receiver, "sync": sync, "resume": resume, "group": group}
 
 
 def main() -> int:

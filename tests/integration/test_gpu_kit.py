@@ -55,7 +55,7 @@ def test_a_cpu_rehearsal_installs_the_wheels_runs_the_steps_and_writes_the_verdi
     wheels = tmp_path / "wheels"
     _wheel(wheels)
     proc = _kit("run", "--cpu-rehearsal", "--out", str(out), "--wheels", str(wheels),
-                "--only", "colocated,receiver,sync,shared-gpu,memory,pools-budget,resume,learner")
+                "--only", "colocated,receiver,sync,one-rank-group,shared-gpu,memory,pools-budget,resume,figures")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["steps.log", "verdict.json", "verdict.txt"]
     table = (out / "verdict.txt").read_text()
@@ -63,16 +63,17 @@ def test_a_cpu_rehearsal_installs_the_wheels_runs_the_steps_and_writes_the_verdi
     verdict = json.loads((out / "verdict.json").read_text())
     rows = {r["step"]: r for r in verdict["steps"]}
     # --only: those, in the kit's order
-    assert list(rows) == ["install", "colocated", "receiver", "sync", "shared-gpu", "memory", "pools-budget", "resume",
-                          "learner"]
+    assert list(rows) == ["install", "colocated", "receiver", "sync", "one-rank-group", "shared-gpu", "memory",
+                          "pools-budget", "resume", "figures"]
     assert rows["install"]["result"] == "passed" and "kitprobe 1.0" in rows["install"]["error"]
     assert all(r["result"] == "passed" for name, r in rows.items() if name != "shared-gpu"), table
     assert rows["shared-gpu"] == {"step": "shared-gpu", "result": "skipped", "seconds": 0.0, "error": "no CPU half"}
     log = (out / "steps.log").read_text()
     for figure in ("colocated: PASS", "replica_weights=as published", "receiver: PASS", "rank1_weights=as published",
-                   "sync: PASS", "pool/plain", "pool_pressure: PASS", "resume: PASS", "ratio bf16/fp32 =", "ratio fsdp-bf16/fp32 ="):
+                   "sync: PASS", "group: PASS", "pool/plain", "pool_pressure: PASS", "resume: PASS", "token_vla ratio bf16/fp32 = act",
+                   "pi0_vla ratio bf16/fp32 = act"):
         assert figure in log, figure
-    assert "0 step(s) failed or not run, 8 passed" in table
+    assert "0 step(s) failed or not run, 9 passed" in table
 
 
 @pytest.mark.slow
@@ -81,12 +82,12 @@ def test_a_step_past_the_total_budget_is_stopped_and_the_rest_not_run(tmp_path):
     process group), and is reported with its first error line; the steps after it are not run."""
     out = tmp_path / "out"
     t0 = time.monotonic()
-    proc = _kit("run", "--cpu-rehearsal", "--out", str(out), "--only", "resume,learner", "--budget", "4")
+    proc = _kit("run", "--cpu-rehearsal", "--out", str(out), "--only", "resume,figures", "--budget", "4")
     took = time.monotonic() - t0
     rows = {r["step"]: r for r in json.loads((out / "verdict.json").read_text())["steps"]}
     assert proc.returncode == 2, proc.stdout  # (a step not run counts: the kit did not finish)
     assert rows["resume"]["result"] == "timed out" and rows["resume"]["error"].startswith("timed out after")
-    assert rows["learner"] == {"step": "learner", "result": "not run", "seconds": 0.0,
+    assert rows["figures"] == {"step": "figures", "result": "not run", "seconds": 0.0,
                                "error": "the kit's total budget is spent"}
     assert took < 20 and "2 step(s) failed or not run" in proc.stdout
 
