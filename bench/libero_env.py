@@ -22,6 +22,13 @@ the sizes alternating, and prints the median ms per frame and the ratio to the f
     python bench/libero_env.py --render --image-size 64 --wrist-size 64 --steps 20
     python bench/libero_env.py --render --image-size 64 --steps 24 --chunk 4
     python bench/libero_env.py --frame-ms 32,64,128
+    python bench/libero_env.py --reset-cost --render --image-size 64 --repeats 5
+
+``--reset-cost`` instead times one reset of one env (in this process, the cameras of
+``--render``), the two ways an episode can start as a fresh env's does: dvla's (robosuite's
+soft reset, the gripper's command put back: :class:`dvla.envs.libero_host.LiberoHost`) and a
+hard reset (the model reloaded, as LIBERO's own evaluation scripts reset), alternating; the
+median seconds of each and the ratio.
 """
 
 from __future__ import annotations
@@ -94,6 +101,30 @@ def frame_ms(sizes: list[int], task: str, task_id: int, repeats: int, frames: in
                                                        for s in sizes))
 
 
+def reset_cost(args) -> None:
+    opts = {"suite": args.suite, "task_ids": [args.task], "wrist_size": args.wrist_size, "settle_steps": 0}
+    cfg = EnvConfig(name="libero", n_envs=1, episode_len=10 ** 6, image_size=args.image_size, render=args.render,
+                    options=opts)
+    env = make_env(cfg)
+    host, got = env.hosts[0].host, {"soft": [], "hard": []}
+    raw = host.envs[0]  # LIBERO's env (its ``env`` is robosuite's)
+    try:
+        host.reset([(0, 0)])  # warm-up
+        for i in range(args.repeats):
+            for how in (("soft", "hard") if i % 2 == 0 else ("hard", "soft")):
+                raw.env.hard_reset = how == "hard"
+                t0 = time.perf_counter()
+                host.reset([(0, i % 50)])
+                got[how].append(time.perf_counter() - t0)
+        raw.env.hard_reset = False
+    finally:
+        env.close()
+    med = {k: statistics.median(v) for k, v in got.items()}
+    what = f"{args.image_size} px" if args.render else "physics only"
+    print(f"reset of one env ({args.suite} task {args.task}, {what}, medians of {args.repeats}): soft + gripper "
+          f"command {med['soft']:.3f} s, hard (model reloaded) {med['hard']:.3f} s; hard/soft {med['hard'] / med['soft']:.1f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--suite", default="libero_spatial")
@@ -107,8 +138,11 @@ def main() -> None:
     p.add_argument("--wrist-size", type=int, default=0)
     p.add_argument("--chunk", type=int, default=1, help="also step the workers' envs in chunks of this many actions")
     p.add_argument("--frame-ms", help="instead: ms per agent-view frame at these sizes (e.g. 32,64,128)")
+    p.add_argument("--reset-cost", action="store_true", help="instead: seconds per reset, soft against hard")
     args = p.parse_args()
     torch.set_num_threads(1)
+    if args.reset_cost:
+        return reset_cost(args)
     if args.frame_ms:
         return frame_ms([int(x) for x in args.frame_ms.split(",")], args.suite, args.task, args.repeats)
     opts = {"suite": args.suite, "task_ids": [args.task], "wrist_size": args.wrist_size, "settle_steps": 0}

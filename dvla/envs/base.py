@@ -22,10 +22,12 @@ the per-action hooks; the chunk loop, done latching and reward bookkeeping live 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -36,6 +38,19 @@ from dvla.types import Observation, StepResult
 
 DEFAULT_REWARD_RANGE = (-1e4, 1e4)
 """The reward range of an env that declares none (``EnvSpec.reward_range``)."""
+
+
+@contextlib.contextmanager
+def seeded_numpy(seed):
+    """Inside: numpy's global generator seeded with ``seed`` (an int or a sequence of ints);
+    after: as it was. For simulators that draw from it (LIBERO's placements, genesis' collision
+    colours): what they draw is then fixed by ``seed``, not by what the process drew before."""
+    saved = np.random.get_state()
+    try:
+        np.random.seed(seed)
+        yield
+    finally:
+        np.random.set_state(saved)
 
 
 @dataclass(frozen=True)

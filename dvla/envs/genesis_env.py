@@ -27,6 +27,14 @@ The camera draws the robot's collision geometry (``options.vis_mode="collision"`
 default): on a software rasteriser its detailed visual meshes cost about nine times as
 much per image (``bench/genesis_render.py``: 2 against 19 ms per 64-pixel image on two
 cores), and the coarse shapes show the arm just as well to a 64-pixel camera. ``vis_mode="visual"`` draws the visual meshes.
+genesis colours the collision shapes at random, from numpy's global generator; the scene is
+built with it seeded (``seeded_numpy(0)``), so that every scene, in every process and run,
+looks the same.
+
+A reset (of all envs, or of some on their own clock) starts each env as a freshly built scene
+starts it, for the same goal draws: the arm at home at rest, the object at rest in its place,
+the other envs untouched; and the first frame shows the new episode (rendered forced: genesis
+updates what it draws once per simulation step, and a reset takes none).
 
 genesis compiles its kernels on the first ``scene.build`` (1-2 minutes, cached under
 ``$XDG_CACHE_HOME/quadrants``; later builds ~8 s); a line says so before the first build
@@ -47,7 +55,7 @@ import torch
 from torch import Tensor
 
 from dvla.config import EnvConfig
-from dvla.envs.base import EnvSpec, GoalEnv
+from dvla.envs.base import EnvSpec, GoalEnv, seeded_numpy
 from dvla.envs.genesis_import import import_genesis
 from dvla.envs.options import Option
 from dvla.types import Observation
@@ -166,6 +174,21 @@ class GenesisFrankaEnv(GoalEnv):
         self.privileged = bool(opts["privileged"])
         self.action_mode = opts["action_mode"]
         ensure_genesis(self.device)
+        with seeded_numpy(0):  # genesis colours collision shapes at random: every scene alike
+            self._build_scene(cfg, opts)
+        self.hand = self.robot.get_link("hand")
+        self.robot.set_dofs_kp(torch.tensor(KP, dtype=torch.float32))
+        self.robot.set_dofs_kv(torch.tensor(KV, dtype=torch.float32))
+        self._home = torch.tensor(HOME_Q, dtype=torch.float32, device=self.device)
+        self._down = torch.tensor(DOWN_QUAT, dtype=torch.float32, device=self.device).repeat(self.n_envs, 1)
+        self._tip = torch.tensor([0.0, 0.0, TIP_OFFSET], device=self.device)
+        self.spec = self.spec_for(cfg)
+        self.goal = torch.zeros(self.n_envs, 3, device=self.device)
+        self.ee_target = torch.zeros(self.n_envs, 3, device=self.device)
+        self._gripper = torch.full((self.n_envs,), 0.04, device=self.device)
+
+    def _build_scene(self, cfg: EnvConfig, opts: dict) -> None:
+        """The scene: ground, the arm, the task's object and the camera, built for ``n_envs``."""
         import genesis as gs
 
         vis = gs.options.VisOptions(split_envs=True, shadow=False)
@@ -194,36 +217,25 @@ class GenesisFrankaEnv(GoalEnv):
             )
         announce_build()
         self.scene.build(n_envs=self.n_envs)
-        self.hand = self.robot.get_link("hand")
-        self.robot.set_dofs_kp(torch.tensor(KP, dtype=torch.float32))
-        self.robot.set_dofs_kv(torch.tensor(KV, dtype=torch.float32))
-        self._home = torch.tensor(HOME_Q, dtype=torch.float32, device=self.device)
-        self._down = torch.tensor(DOWN_QUAT, dtype=torch.float32, device=self.device).repeat(self.n_envs, 1)
-        self._tip = torch.tensor([0.0, 0.0, TIP_OFFSET], device=self.device)
-        self.spec = self.spec_for(cfg)
-        self.goal = torch.zeros(self.n_envs, 3, device=self.device)
-        self.ee_target = torch.zeros(self.n_envs, 3, device=self.device)
 
     # -- task-specific ------------------------------------------------------------------
     def _sample_goal(self, g: int) -> Tensor:
         raise NotImplementedError
 
-    def _place_object(self, envs: Tensor | None = None) -> None:
-        """Put the task's object at the goal, in every env or in ``envs``."""
+    def _place_object(self, envs: Tensor) -> None:
+        """Put the task's object at the goal in the envs ``envs``, at rest (the others untouched)."""
         raise NotImplementedError
 
     # -- GoalEnv hooks ----------------------------------------------------------------------
     def _reset_task(self, group_size: int) -> None:
-        g = self.n_envs // group_size
-        self.goal = self.group_repeat(self._sample_goal(g), group_size).to(self.device)
-        q = self._home.repeat(self.n_envs, 1)
-        self.robot.set_dofs_position(q, zero_velocity=True)
-        self.robot.control_dofs_position(q)
-        self._place_object()
-        self.ee_target = self.tip_pos()
-        self._gripper = torch.full((self.n_envs,), 0.04, device=self.device)
+        self._reset_task_envs(torch.arange(self.n_envs, device=self.device), group_size)
 
     def _reset_task_envs(self, envs: Tensor, group_size: int) -> None:
+        """The envs ``envs`` at the start a freshly built scene gives, the others untouched: the
+        arm at home at rest, its position targets home, the object placed at rest, a new goal.
+        Nothing else carries over: genesis clears the contact and constraint solvers' warm
+        starts of the envs whose state is set, and the inverse kinematics starts from the arm's
+        position (its restarts are seeded, the same every call)."""
         self.goal[envs] = self.group_repeat(self._sample_goal(len(envs) // group_size), group_size).to(self.device)
         q = self._home.repeat(len(envs), 1)
         self.robot.set_dofs_position(q, envs_idx=envs, zero_velocity=True)
@@ -266,7 +278,9 @@ class GenesisFrankaEnv(GoalEnv):
         parts = [qpos] + [self.workspace_units(p) for p in
                           [self.tip_pos(), self.ee_target] + ([self.goal] if self.privileged else [])]
         if self.camera is not None:
-            rgb = np.asarray(self.camera.render(rgb=True)[0])
+            # forced: genesis updates what it draws once per simulation step, and a reset takes
+            # none (the frame would show the episode before)
+            rgb = np.asarray(self.camera.render(rgb=True, force_render=True)[0])
             if rgb.ndim == 3:
                 rgb = rgb[None]
             image = torch.from_numpy(np.ascontiguousarray(rgb)).permute(0, 3, 1, 2).to(self.device)
@@ -289,8 +303,8 @@ class GenesisReachEnv(GenesisFrankaEnv):
         hi = torch.tensor([0.65, 0.2, 0.35])
         return lo + torch.rand(g, 3, generator=self.generator) * (hi - lo)
 
-    def _place_object(self, envs: Tensor | None = None) -> None:
-        self.obj.set_pos(self.goal if envs is None else self.goal[envs], envs_idx=envs)
+    def _place_object(self, envs: Tensor) -> None:
+        self.obj.set_pos(self.goal[envs], envs_idx=envs)
 
     def _distance(self) -> Tensor:
         return (self.tip_pos() - self.goal).norm(dim=-1)
@@ -309,11 +323,11 @@ class GenesisLiftEnv(GenesisFrankaEnv):
         xy = torch.tensor([0.5, -0.15]) + torch.rand(g, 2, generator=self.generator) * torch.tensor([0.2, 0.3])
         return torch.cat([xy, torch.full((g, 1), 0.02)], dim=-1)
 
-    def _place_object(self, envs: Tensor | None = None) -> None:
-        self.obj.set_pos(self.goal if envs is None else self.goal[envs], envs_idx=envs)
-        quat = torch.tensor([[1.0, 0.0, 0.0, 0.0]], device=self.device).repeat(self.n_envs, 1)
-        self.obj.set_quat(quat)
-        self.obj.zero_all_dofs_velocity()
+    def _place_object(self, envs: Tensor) -> None:
+        self.obj.set_pos(self.goal[envs], envs_idx=envs)
+        quat = torch.tensor([[1.0, 0.0, 0.0, 0.0]], device=self.device).repeat(len(envs), 1)
+        self.obj.set_quat(quat, envs_idx=envs)  # upright and at rest, in these envs only
+        self.obj.zero_all_dofs_velocity(envs_idx=envs)
 
     def _distance(self) -> Tensor:
         cube = self.obj.get_pos().to(self.device)

@@ -20,6 +20,12 @@ offline. Options (``env.options``):
 * ``workers``: MuJoCo processes the envs are spread over (spawned, never forked: a process
   forked after EGL was set up hangs); 0 steps every env in this process.
 
+An episode is a function of its task, its initial state and the env's seed alone: every reset
+starts an env as a freshly built one would (robosuite's soft reset, with the one thing it keeps,
+the gripper's smoothed command, put back; :class:`~dvla.envs.libero_host.LiberoHost`), its
+draws (the fixtures' placement) seeded for that state. It does not depend on what the env ran
+before, on the other envs, on ``workers`` or on the order of the resets.
+
 Each env's instruction is its task's, as LIBERO evaluations (and the datasets VLAs are
 fine-tuned on) give it: the BDDL file's name in words (the file's own ``:language`` line
 words some tasks differently). The main camera is LIBERO's ``agentview`` at ``env.image_size``; images are turned upright
@@ -133,7 +139,7 @@ class LiberoEnv(BatchedEnv):
         self.hosts = []
         try:
             for a, b in self._slices:
-                self.hosts.append(host_cls({**common, "task_ids": self.task_of[a:b], "seed": (seed * 1000 + a) % 2**31}))
+                self.hosts.append(host_cls({**common, "task_ids": self.task_of[a:b], "seed": seed}))
         except BaseException:
             self.close()
             raise
