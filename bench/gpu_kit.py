@@ -52,7 +52,7 @@ MACHINE_PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinu
 # What the kit's steps import, beyond the standard library (pip names).
 KIT_IMPORTS = ("torch", "numpy", "pyzmq", "msgpack", "safetensors", "uvloop", "pyyaml", "tqdm", "matplotlib",
                "pytest", "pytest-xdist", "pytest-timeout", "transformers")
-MIN_STEP_S = 2  # a step is started only with this much of the total left
+MIN_STEP_S = 1  # a step is started only with this much of the total left
 LOG_CAP_BYTES = 256 * 1024  # per step, in steps.log (the tail is kept)
 
 
