@@ -1,10 +1,8 @@
-"""Every env kind starts an episode as a freshly built env would (issue #53): an env runs an
-episode that drives the robot away from its start (the gripper closed, the arm moved), is reset
-to another state, and the reset's observation and the next steps of a fixed action sequence
-are compared with those of an env built fresh for that state, with the same draws (the used
-env's generator is put back to the state a fresh env's has, so that its reset draws what a
-fresh env's first reset draws). Bitwise equal: the simulators are deterministic on one machine,
-so any difference is state that the reset kept.
+"""Every env kind starts an episode as a freshly built env would (issue #53): a freshly built
+env's first reset and the next steps of a fixed action sequence, then an episode that drives
+the robot away (the gripper closed, the arm moved), then a reset to the same start with the
+same draws (the env's generator put back) and the same steps: bitwise equal. The simulators
+are deterministic on one machine, so any difference is state that the reset kept.
 
 LIBERO through ``LiberoEnv`` (fixed and sampled initial states, with and without the wrist
 camera, in this process and in a worker process), the genesis tasks (full and per-env resets),
@@ -35,27 +33,23 @@ def differences(got, want) -> list[str]:
 
 
 def restart_like_fresh(make, away, actions, group_size=1, then=None):
-    """The observations after a reset of a used env and after a fresh env's first reset, each
-    followed by ``actions``; the used env first runs an episode from another start, driven by
-    ``away(env)``. ``then(env)``: more checks on the used env before it closes (its value is
-    returned third)."""
-    used = make()
+    """The observations of a freshly built env's first reset followed by ``actions``, and of
+    the same env reset again with the same draws (its generator put back) after ``away(env)``
+    drove it elsewhere, followed by the same actions: ``(got, want, more)``. One env built
+    where two would be (a fresh env's first episode is what a fresh env does; the builds are
+    most of these tests' time). ``then(env, draws)``: more checks before it closes (its value
+    is ``more``)."""
+    env = make()
     try:
-        fresh_draws = used.generator.get_state()
-        used.generator.manual_seed(12345)  # its first episode starts elsewhere
-        start = used.reset(group_size)
-        away(used)
-        used.generator.set_state(fresh_draws)
-        got = [used.reset(group_size)] + [used.step(a).obs for a in actions]
-        more = then(used, fresh_draws) if then else None
+        fresh_draws = env.generator.get_state()
+        want = [env.reset(group_size)] + [env.step(a).obs for a in actions]
+        moved = away(env)
+        assert moved is None or differences([moved], want[:1]), "away() left the env where an episode starts"
+        env.generator.set_state(fresh_draws)
+        got = [env.reset(group_size)] + [env.step(a).obs for a in actions]
+        more = then(env, fresh_draws) if then else None
     finally:
-        used.close()
-    assert differences([start], got[:1]), "the used env's first episode started where the compared one does"
-    fresh = make()
-    try:
-        want = [fresh.reset(group_size)] + [fresh.step(a).obs for a in actions]
-    finally:
-        fresh.close()
+        env.close()
     return got, want, more
 
 
@@ -78,7 +72,7 @@ def test_libero_restarts_as_a_fresh_env(init_states, wrist, workers):
     cfg = libero_cfg(1, render=True, task_ids=[1], init_states=init_states, wrist_size=wrist, workers=workers)
     close = torch.zeros(1, 10, 7)
     close[..., 0], close[..., 2], close[..., 6] = 0.8, -0.5, 1.0
-    got, want, _ = restart_like_fresh(lambda: make_env(cfg, seed=4), lambda env: env.step(close),
+    got, want, _ = restart_like_fresh(lambda: make_env(cfg, seed=4), lambda env: env.step(close).obs,
                                       chunk(1, 2, 0, 7))
     assert not differences(got, want), differences(got, want)
 
@@ -100,7 +94,8 @@ def test_genesis_restarts_as_a_fresh_env(name):
 
     def away(env, steps=10):
         for _ in range(steps):
-            env.step(scripted(env, grip=1.0))
+            obs = env.step(scripted(env, grip=1.0)).obs
+        return obs
 
     def one_env(env, fresh_draws):
         env.reset()
@@ -128,7 +123,7 @@ def test_genesis_restarts_as_a_fresh_env(name):
 def test_fast_reach_restarts_as_a_fresh_env():
     """The pure-torch env (both cameras, groups of two)."""
     cfg = EnvConfig(name="fast_reach", n_envs=4, image_size=16, options={"wrist_camera": 8, "n_targets": 3})
-    got, want, _ = restart_like_fresh(lambda: make_env(cfg, seed=2), lambda env: env.step(torch.ones(4, 5, 2)),
+    got, want, _ = restart_like_fresh(lambda: make_env(cfg, seed=2), lambda env: env.step(torch.ones(4, 5, 2)).obs,
                                       chunk(4, 2, 0, 2), group_size=2)
     assert not differences(got, want), differences(got, want)
 
