@@ -65,6 +65,23 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def timed_rounds(run, repeats: int, device: torch.device, before=None) -> dict[str, list[float]]:
+    """Seconds of ``run(precision, round)`` for fp32 and bf16, alternating their order each
+    round; the first round warms up. ``before()`` runs untimed before each call."""
+    times: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    for i in range(repeats + 1):
+        for precision in (list(times) if i % 2 == 0 else list(times)[::-1]):
+            if before is not None:
+                before()
+            sync(device)
+            t0 = time.perf_counter()
+            run(precision, i)
+            sync(device)
+            if i:
+                times[precision].append(time.perf_counter() - t0)
+    return times
+
+
 def measure(name: str, args) -> dict:
     device = torch.device(args.device)
     size = MID[name] if args.size == "mid" else "tiny"
@@ -72,32 +89,22 @@ def measure(name: str, args) -> dict:
     policy = build(name, size, image, device).eval()
     prepared = policy.prepare(observations(policy, args.batch, image))
     gen = torch.Generator(device=device).manual_seed(1)
-    act: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    for i in range(args.repeats + 1):  # the first round warms up
-        for precision in (list(act) if i % 2 == 0 else list(act)[::-1]):
-            sync(device)
-            t0 = time.perf_counter()
-            with torch.no_grad(), autocast(device, precision):
-                policy.act(prepared, generator=gen)
-            sync(device)
-            if i:
-                act[precision].append(time.perf_counter() - t0)
+
+    def act_once(precision: str, _round: int) -> None:
+        with torch.no_grad(), autocast(device, precision):
+            policy.act(prepared, generator=gen)
+
+    act = timed_rounds(act_once, args.repeats, device)
     batch = make_batch(policy, args.samples, image, device)
     state = {k: v.clone() for k, v in policy.state_dict().items()}
     algos = {p: build_algorithm(AlgoConfig(name="grpo", group_size=4, update_epochs=1, minibatches=1, lr=1e-5,
                                            precision=p), policy) for p in ("fp32", "bf16")}
-    learn: dict[str, list[float]] = {"fp32": [], "bf16": []}
-    for i in range(args.repeats + 1):
-        for precision in (list(learn) if i % 2 == 0 else list(learn)[::-1]):
-            policy.load_state_dict(state)
-            sync(device)
-            t0 = time.perf_counter()
-            algos[precision].update(batch, torch.Generator().manual_seed(i))
-            sync(device)
-            if i:
-                learn[precision].append(time.perf_counter() - t0)
+
+    def update_once(precision: str, i: int) -> None:
+        algos[precision].update(batch, torch.Generator().manual_seed(i))
+
+    learn = timed_rounds(update_once, args.repeats, device, before=lambda: policy.load_state_dict(state))
     params = sum(p.numel() for p in policy.parameters())
-    del policy, algos, state, batch
     return {"size": size, "params": params, "act": {p: args.batch / statistics.median(t) for p, t in act.items()},
             "learn": {p: args.samples / statistics.median(t) for p, t in learn.items()}}
 

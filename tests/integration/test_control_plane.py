@@ -73,16 +73,21 @@ def _mismatch(rank, world, group):
     return {"mismatch": None}
 
 
+def _publish_versions(model, bc, n: int) -> None:
+    """Versions 1..n from the source, each every weight plus 1, then the end of the stream."""
+    for version in range(1, n + 1):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        bc.publish(version)
+    bc.shutdown()
+
+
 def _subscriber(rank, world, group):
     model = make_model(rank)
     bc = WeightBroadcaster(model, src=0, group=group)
     if rank == 0:
-        for version in range(1, 6):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1.0)
-            bc.publish(version)
-        bc.shutdown()
+        _publish_versions(model, bc, 5)
         return {"digest": digest(model), "polled": []}
     sub = WeightSubscriber(bc)
     polled = []
@@ -107,13 +112,7 @@ def _subscriber_on_a_stream(rank, world, group):
 
     model = make_model(rank)
     if rank == 0:
-        bc = WeightBroadcaster(model, src=0, group=group)
-        for version in range(1, 11):
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1.0)
-            bc.publish(version)
-        bc.shutdown()
+        _publish_versions(model, WeightBroadcaster(model, src=0, group=group), 10)
         return {"digest": digest(model)}
     base = make_model(0)[0].weight.detach().clone()
     with installed(FakeRuntime(defer_copies=True)) as fake:
@@ -147,13 +146,7 @@ def _cuda_subscriber(rank, world, group):
         rt.bind_thread()
         model = make_model(rank).cuda()
         if rank == 0:
-            bc = WeightBroadcaster(model, src=0, group=group, device=torch.device("cuda"))
-            for version in range(1, 11):
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(1.0)
-                bc.publish(version)
-            bc.shutdown()
+            _publish_versions(model, WeightBroadcaster(model, src=0, group=group, device=torch.device("cuda")), 10)
             return {"digest": digest(model.cpu())}
         base = make_model(0)[0].weight.detach().clone()
         bc = WeightBroadcaster(model, src=0, group=group, device=torch.device("cuda"))

@@ -55,24 +55,25 @@ def test_a_cpu_rehearsal_installs_the_wheels_runs_the_steps_and_writes_the_verdi
     wheels = tmp_path / "wheels"
     _wheel(wheels)
     proc = _kit("run", "--cpu-rehearsal", "--out", str(out), "--wheels", str(wheels),
-                "--only", "colocated,sync,one-rank-group,shared-gpu,memory,pools-budget,resume,figures")
+                "--only", "colocated,sync,one-rank-group,shared-gpu,pools-budget,figures")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert sorted(p.name for p in out.iterdir()) == ["steps.log", "verdict.json", "verdict.txt"]
     table = (out / "verdict.txt").read_text()
     assert proc.stdout == table and "cpu rehearsal" in table.splitlines()[0]
     verdict = json.loads((out / "verdict.json").read_text())
     rows = {r["step"]: r for r in verdict["steps"]}
-    # --only: those, in the kit's order (cuda-tests' and receiver's CPU halves are tests of the suite already)
-    assert list(rows) == ["install", "colocated", "sync", "one-rank-group", "shared-gpu", "memory", "pools-budget",
-                          "resume", "figures"]
+    # --only: those, in the kit's order. Left out to spare the suite's CPU: cuda-tests' and receiver's CPU
+    # halves (tests of the suite already), memory's and resume's (the budget test below starts resume's;
+    # bench/RESULTS.md records a whole rehearsal).
+    assert list(rows) == ["install", "colocated", "sync", "one-rank-group", "shared-gpu", "pools-budget", "figures"]
     assert rows["install"]["result"] == "passed" and "kitprobe 1.0" in rows["install"]["error"]
     assert all(r["result"] == "passed" for name, r in rows.items() if name != "shared-gpu"), table
     assert rows["shared-gpu"] == {"step": "shared-gpu", "result": "skipped", "seconds": 0.0, "error": "no CPU half"}
     log = (out / "steps.log").read_text()
-    for figure in ("colocated: PASS", "replica_weights=as published", "sync: PASS", "group: PASS", "pool/plain", "pool_pressure: PASS", "resume: PASS", "token_vla ratio bf16/fp32 = act",
-                   "pi0_vla ratio bf16/fp32 = act"):
+    for figure in ("colocated: PASS", "replica_weights=as published", "sync: PASS", "group: PASS", "pool_pressure: PASS",
+                   "token_vla ratio bf16/fp32 = act", "pi0_vla ratio bf16/fp32 = act"):
         assert figure in log, figure
-    assert "0 step(s) failed or not run, 8 passed" in table
+    assert "0 step(s) failed or not run, 6 passed" in table
 
 
 @pytest.mark.slow
