@@ -92,12 +92,12 @@ class Swimlane:
         self._serving.enter_context(runtime.serving(resolve_device(cfg.run.device)))
         try:
             self.parts = assemble(cfg, rank, world_size, data_plane, restarts=restarts, poll_s=POLL_S)
+            self.state = RunState(cfg, rank, world_size, self.parts.resumed, restarts)
+            self.updates = Updates(self.parts, self.state, on_update)
+            self.lanes = connect(self.parts, self.state, self.updates)
         except BaseException:
             self._serving.close()
             raise
-        self.state = RunState(cfg, rank, world_size, self.parts.resumed, restarts)
-        self.updates = Updates(self.parts, self.state, on_update)
-        self.lanes = connect(self.parts, self.state, self.updates)
         self.driver = ThreadedDriver(stop=self.state.stop_event, on_error=self.state.request_stop, poll_s=POLL_S)
         self.lanes_left_running: list[str] = []  # lanes (by name) still blocked when run() returned
 
