@@ -36,6 +36,7 @@ from dvla.algos import build_algorithm  # noqa: E402
 from dvla.config import AlgoConfig  # noqa: E402
 from dvla.policy import PolicySpec, build_policy  # noqa: E402
 from dvla.types import Observation  # noqa: E402
+from memory import runtime  # noqa: E402
 
 MID = {"token_vla": "0.5b", "pi0_vla": "3b"}
 
@@ -119,7 +120,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--image", type=int, default=32, help="image side of the tiny models")
     args = ap.parse_args()
-    name = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
+    rt = runtime.for_device(args.device)  # (every CUDA call through the rank's runtime, as dvla's own)
+    rt.bind_thread()
+    name = rt.device_name(0) if args.device.startswith("cuda") else "cpu"
     for policy in args.policies.split(","):
         r = measure(policy, args)
         print(f"{policy} size={r['size']} ({r['params'] / 1e6:.1f}M parameters) on {name}: "
@@ -127,8 +130,7 @@ def main() -> int:
               f"learner {r['learn']['fp32']:.1f} / {r['learn']['bf16']:.1f} samples/s (batch {args.samples})")
         print(f"{policy} ratio bf16/fp32 = act {r['act']['bf16'] / r['act']['fp32']:.2f}, learner "
               f"{r['learn']['bf16'] / r['learn']['fp32']:.2f}  (medians of {args.repeats}, alternating)", flush=True)
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        rt.empty_cache()  # (the model of the last policy is gone: its memory back before the next)
     return 0
 
 
