@@ -17,6 +17,17 @@ dimension's share of the transitions (they sum to the joint one), which ``algo.r
 and ``step`` use. ``sigma`` is learned per action dimension within
 ``[min_log_sigma, max_log_sigma]``.
 
+Padded dimensions
+-----------------
+pi0 denoises a chunk wider than the robot's actions (32 dimensions, the robot's first, the
+rest padding) and cuts it at the end; the padded dimensions still feed back into the velocity
+of the real ones. ``pad_to=P`` does the same: the chain runs in ``P`` dimensions, the action is
+its first ``action_dim``, and the padded dimensions of the last step are recorded beside the
+chain (the extra ``chain_pad``, ``(K, P - D)``), so that the log-probability covers everything
+that was sampled. The padded dimensions' share of it is spread evenly over the real
+dimensions' elements (the joint log-probability is exact; per-dimension ratios see each real
+dimension with a ``1/D`` share of the padding).
+
 The velocity model
 ------------------
 The head owns no network of its own: it takes the velocity model ``v(x, t, cond)``, any
@@ -56,6 +67,7 @@ from torch import Tensor, nn
 from dvla.distributions import ActionDistribution, Draw, Extras, ExtraSpec, masked_step_mean
 
 CHAIN = "chain"
+CHAIN_PAD = "chain_pad"
 _HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 VelocityModel = Callable[[Tensor, Tensor, Any], Tensor]
@@ -128,29 +140,48 @@ def repeat_cond(cond: Any, n: int, batch: int) -> Any:
 
 class FlowMatchingHead(nn.Module):
     """``head(cond)`` gives a :class:`FlowChainDistribution` over ``(B, action_chunk,
-    action_dim)`` chunks, denoised by ``velocity(x, t, cond)`` (see the module docstring)."""
+    action_dim)`` chunks, denoised by ``velocity(x, t, cond)`` (see the module docstring);
+    ``pad_to``: the chain's width where it is wider than the actions (pi0's 32)."""
 
     def __init__(self, velocity: nn.Module | VelocityModel, action_chunk: int, action_dim: int, *, steps: int = 4,
                  init_log_sigma: float = -1.5, min_log_sigma: float = -5.0, max_log_sigma: float = 0.0,
-                 batch_steps: bool = True):
+                 batch_steps: bool = True, pad_to: int | None = None):
         super().__init__()
         if not callable(velocity):
             raise TypeError(f"FlowMatchingHead takes a velocity model v(x, t, cond) (a module or callable), got "
                             f"{velocity!r}; for an MLP on a (B, cond_dim) condition pass MLPVelocity(cond_dim, ...)")
         if steps < 1 or not min_log_sigma <= init_log_sigma <= max_log_sigma:
             raise ValueError("FlowMatchingHead needs steps >= 1 and min_log_sigma <= init_log_sigma <= max_log_sigma")
+        if pad_to is not None and pad_to < action_dim:
+            raise ValueError(f"FlowMatchingHead: pad_to ({pad_to}) must be at least action_dim ({action_dim})")
         self.k, self.d, self.steps, self.batch_steps = action_chunk, action_dim, steps, batch_steps
+        self.width = pad_to or action_dim  # the chain's dimensions: the actions', then the padding
         self.min_log_sigma, self.max_log_sigma = min_log_sigma, max_log_sigma
         if isinstance(velocity, nn.Module):
             self.velocity_model = velocity  # a submodule: trained, sharded, saved
         else:
             self.velocity_model = None
             self._velocity_fn = velocity  # not a submodule: a bound method of the policy makes no cycle
-        self.log_sigma = nn.Parameter(torch.full((action_chunk, action_dim), float(init_log_sigma)))
+        self.log_sigma = nn.Parameter(torch.full((action_chunk, self.width), float(init_log_sigma)))
+
+    @property
+    def padded(self) -> int:
+        """How many padded dimensions the chain has beyond the actions'."""
+        return self.width - self.d
 
     def rollout_extras(self) -> dict[str, ExtraSpec]:
         """What a policy with this head returns from ``VLAPolicy.rollout_extras``."""
-        return {CHAIN: ExtraSpec((self.steps, self.k, self.d), torch.float32)}
+        extras = {CHAIN: ExtraSpec((self.steps, self.k, self.width), torch.float32)}
+        if self.padded:
+            extras[CHAIN_PAD] = ExtraSpec((self.k, self.padded), torch.float32)
+        return extras
+
+    def fold(self, elements: Tensor) -> Tensor:
+        """Per-dimension log-probs over the chain's width -> over the actions' (the padding's
+        share spread evenly, so that they still sum to the joint one)."""
+        if not self.padded:
+            return elements
+        return elements[..., : self.d] + elements[..., self.d:].sum(-1, keepdim=True) / self.d
 
     def velocity(self, x: Tensor, t: Tensor, cond: Any) -> Tensor:
         """``v(x, t, cond)``, checked to be ``x``'s shape."""
@@ -197,7 +228,7 @@ class FlowChainDistribution(ActionDistribution):
         """Run the noisy chain (``deterministic``: the noise-free integration from ``x_0 = 0``,
         scored as if its steps were the means of the transitions)."""
         dev = self.log_sigma.device
-        shape = (self.batch_size, self.head.k, self.head.d)
+        shape = (self.batch_size, self.head.k, self.head.width)
         x = torch.zeros(shape, device=dev) if deterministic else torch.randn(shape, generator=generator, device=dev)
         chain, elements = [], torch.zeros(shape, device=dev)
         sigma = self.log_sigma.exp()
@@ -206,8 +237,11 @@ class FlowChainDistribution(ActionDistribution):
             mean = self.mean_of_next(x, i)
             x = mean if deterministic else mean + sigma * torch.randn(shape, generator=generator, device=dev)
             elements = elements + self._transition_log_prob(x, mean)
-        return Draw(actions=x, log_prob=elements.sum(dim=(1, 2)), elements=elements,
-                    extras={CHAIN: torch.stack(chain, dim=1)})
+        extras = {CHAIN: torch.stack(chain, dim=1)}
+        if self.head.padded:
+            extras[CHAIN_PAD] = x[..., self.head.d:]
+        return Draw(actions=x[..., : self.head.d], log_prob=elements.sum(dim=(1, 2)), elements=self.head.fold(elements),
+                    extras=extras)
 
     def sample(self, generator: torch.Generator | None = None) -> Tensor:
         return self.draw(False, generator).actions
@@ -216,25 +250,28 @@ class FlowChainDistribution(ActionDistribution):
         return self.draw(True).actions
 
     def log_prob_elements(self, actions: Tensor, extras: Extras | None = None) -> Tensor:
-        chain = (extras or {}).get(CHAIN)
-        b, n = actions.shape[0], self.head.steps
-        want = (b, n, self.head.k, self.head.d)
-        if chain is None or tuple(chain.shape) != want:
-            got = None if chain is None else tuple(chain.shape)
-            raise ValueError(f"the flow head scores a chunk by its denoising chain: extras['{CHAIN}'] of shape "
-                             f"{want} is needed, got {got}")
-        chain, actions = chain.float(), actions.float()
-        nexts = torch.cat([chain[:, 1:], actions[:, None]], dim=1)  # x_{i+1} of every transition
-        if self.head.batch_steps and n > 1:  # all N transitions in one call of the velocity model
-            xs = chain.transpose(0, 1).reshape(n * b, self.head.k, self.head.d)
+        extras = extras or {}
+        chain, head = extras.get(CHAIN), self.head
+        b, n = actions.shape[0], head.steps
+        for key, want in ((CHAIN, (b, n, head.k, head.width)), (CHAIN_PAD, (b, head.k, head.padded))):
+            got = extras.get(key)
+            if (key == CHAIN or head.padded) and (got is None or tuple(got.shape) != want):
+                raise ValueError(f"the flow head scores a chunk by its denoising chain: extras['{key}'] of shape "
+                                 f"{want} is needed, got {None if got is None else tuple(got.shape)}")
+        chain, last = chain.float(), actions.float()
+        if head.padded:
+            last = torch.cat([last, extras[CHAIN_PAD].float()], dim=-1)
+        nexts = torch.cat([chain[:, 1:], last[:, None]], dim=1)  # x_{i+1} of every transition
+        if head.batch_steps and n > 1:  # all N transitions in one call of the velocity model
+            xs = chain.transpose(0, 1).reshape(n * b, head.k, head.width)
             ts = torch.tensor([i / n for i in range(n)], device=xs.device).repeat_interleave(b)
-            v = self.head.velocity(xs, ts, repeat_cond(self.cond, n, b))
-            means = chain + v.reshape(n, b, self.head.k, self.head.d).transpose(0, 1) / n
-            return self._transition_log_prob(nexts, means).sum(dim=1)
-        elements = torch.zeros_like(actions)
+            v = head.velocity(xs, ts, repeat_cond(self.cond, n, b))
+            means = chain + v.reshape(n, b, head.k, head.width).transpose(0, 1) / n
+            return head.fold(self._transition_log_prob(nexts, means).sum(dim=1))
+        elements = torch.zeros_like(last)
         for i in range(n):
             elements = elements + self._transition_log_prob(nexts[:, i], self.mean_of_next(chain[:, i], i))
-        return elements
+        return head.fold(elements)
 
     def imitation_loss(self, actions: Tensor, valid: Tensor | None = None,
                        generator: torch.Generator | None = None) -> tuple[Tensor, dict[str, float]]:
@@ -242,15 +279,19 @@ class FlowChainDistribution(ActionDistribution):
         noise ``x0 ~ N(0, I)``, ``x_t = (1 - t) x0 + t a`` (0 is the noise, 1 the data, as the
         chain runs) and the squared error of ``v(x_t, t, cond)`` to the straight path's
         velocity ``a - x0``, averaged over the action dimensions and the ``valid`` steps. It
-        trains the velocity model only (the chain's noise ``sigma`` is RL's)."""
+        trains the velocity model only (the chain's noise ``sigma`` is RL's). With padded
+        dimensions the actions are zero-padded and the error is over the real ones (as
+        LeRobot's pi0 trains)."""
         a = actions.float()
+        if self.head.padded:
+            a = torch.cat([a, a.new_zeros(*a.shape[:-1], self.head.padded)], dim=-1)
         b = a.shape[0]
         where = generator.device if generator is not None else a.device
         t = torch.rand(b, generator=generator, device=where).to(a.device)
         x0 = torch.randn(a.shape, generator=generator, device=where).to(a.device)
         tt = t.view(b, 1, 1)
         v = self.head.velocity((1 - tt) * x0 + tt * a, t, self.cond)
-        err = (v.float() - (a - x0)).pow(2).mean(-1)
+        err = (v.float() - (a - x0))[..., : self.head.d].pow(2).mean(-1)
         loss = masked_step_mean(err, valid)
         return loss, {"flow_mse": float(loss.detach())}
 

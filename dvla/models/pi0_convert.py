@@ -4,15 +4,17 @@ The PyTorch pi0 checkpoints (openpi's ``models_pytorch`` port and LeRobot's ``pi
 are one ``model.safetensors`` whose keys name a PaliGemma with a Gemma action expert:
 
 * ``paligemma_with_expert.paligemma.model.vision_tower.vision_model.*``: the SigLIP tower
-  (older exports: ``paligemma.vision_tower.*``) -> ``vision.vision_model.*``;
+  as transformers 4 names it (older exports: ``paligemma.vision_tower.vision_model.*``) ->
+  ``vision.*`` (transformers 5's ``SiglipVisionModel`` has no ``vision_model`` level);
 * ``...paligemma.model.multi_modal_projector.linear.*`` -> ``projector.*``;
 * ``...paligemma.model.language_model.{embed_tokens,layers.N,norm}.*`` (older:
   ``paligemma.language_model.model.*``) -> ``lm.*``; where ``embed_tokens`` was left out as
   the tied copy of ``paligemma.lm_head.weight``, that is taken instead;
 * ``...gemma_expert.model.{layers.N,norm}.*`` -> the expert's (``action_head.velocity_model.*``);
 * ``state_proj``, ``action_in_proj``, ``action_out_proj``, ``action_time_mlp_in/out`` -> the
-  expert's. pi0 zero-pads state and actions to 32 dimensions: a wider checkpoint's
-  projections keep their leading ``proprio_dim`` / ``action_dim`` columns (rows for the output).
+  expert's. pi0 zero-pads state and actions to 32 dimensions and denoises all 32:
+  the model keeps those widths (:func:`padded_dims`, ``pad_state_dim`` / ``pad_action_dim``)
+  and the projections are taken whole, so that the converted sampler is pi0's.
 
 LeRobot's keys carry a leading ``model.``. The language heads (``lm_head``) are not used.
 Whatever else does not fit (a missing or unexpected key, a shape) is one error naming it.
@@ -28,6 +30,8 @@ from torch import Tensor, nn
 _ROOT = "paligemma_with_expert."
 _EXPERT = "action_head.velocity_model."
 _RENAMES = (  # (checkpoint prefix after the root, model prefix); first match wins
+    ("paligemma.model.vision_tower.vision_model.", "vision."),
+    ("paligemma.vision_tower.vision_model.", "vision."),
     ("paligemma.model.vision_tower.", "vision."),
     ("paligemma.vision_tower.", "vision."),
     ("paligemma.model.multi_modal_projector.linear.", "projector."),
@@ -73,23 +77,23 @@ def model_key(key: str) -> str | None:
     return "?" + key
 
 
-def _fit(name: str, value: Tensor, want: torch.Size) -> Tensor | None:
-    """``value`` shaped as ``want``: itself, or pi0's zero-padded state/action projections cut."""
-    if value.shape == want:
-        return value
-    if value.dim() == 2 and name.endswith(("state_proj.weight", "action_in_proj.weight")) \
-            and value.shape[0] == want[0] and value.shape[1] > want[1]:
-        return value[:, : want[1]]
-    if name.endswith("action_out_proj.weight") and value.dim() == 2 and value.shape[1] == want[1] \
-            and value.shape[0] > want[0]:
-        return value[: want[0]]
-    if name.endswith("action_out_proj.bias") and value.dim() == 1 and value.shape[0] > want[0]:
-        return value[: want[0]]
-    return None
+def padded_dims(path: str | Path) -> dict[str, int]:
+    """The state's and the actions' padded widths a checkpoint was trained at (the input
+    widths of ``state_proj`` and ``action_in_proj``), read from its header only."""
+    from safetensors import safe_open
+
+    found = {}
+    with safe_open(str(checkpoint_file(path)), "pt") as f:
+        for key in f.keys():
+            name = model_key(key) or ""
+            for what, proj in (("state", "state_proj.weight"), ("action", "action_in_proj.weight")):
+                if name == _EXPERT + proj:
+                    found[what] = int(f.get_slice(key).get_shape()[1])
+    return found
 
 
 def convert_state_dict(tensors: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
-    """A pi0 checkpoint's tensors renamed (and cut) for ``model``; a :class:`CheckpointError`
+    """A pi0 checkpoint's tensors renamed for ``model``; a :class:`CheckpointError`
     names the missing and unexpected keys and the shape mismatches."""
     own = model.state_dict()
     out: dict[str, Tensor] = {}
@@ -104,18 +108,16 @@ def convert_state_dict(tensors: dict[str, Tensor], model: nn.Module) -> dict[str
             unexpected.append(key)
             continue
         seen.add(name)
-        fitted = _fit(name, value, own[name].shape)
-        if fitted is None:
+        if value.shape != own[name].shape:
             mismatched.append(f"{key} {tuple(value.shape)} vs {tuple(own[name].shape)}")
         else:
-            out[name] = fitted
+            out[name] = value
     if "lm.embed_tokens.weight" not in out and tied is not None:
-        fitted = _fit("lm.embed_tokens.weight", tied, own["lm.embed_tokens.weight"].shape)
-        if fitted is None:
+        if tied.shape != own["lm.embed_tokens.weight"].shape:
             mismatched.append(f"lm_head (tied embeddings) {tuple(tied.shape)} vs "
                               f"{tuple(own['lm.embed_tokens.weight'].shape)}")
         else:
-            out["lm.embed_tokens.weight"] = fitted
+            out["lm.embed_tokens.weight"] = tied
     missing = [k for k in own if k not in out and k not in seen and not k.startswith(_OWN)]
     if missing or unexpected or mismatched:
         parts = [f"{label} ({len(items)}): {', '.join(items[:4])}{', ...' if len(items) > 4 else ''}"

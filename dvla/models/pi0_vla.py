@@ -264,11 +264,22 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         """A pi0 checkpoint: a directory with model.safetensors, or the file (see pi0_convert)."""
         lora_expert: bool = False
         """Adapters on the expert's layers too (their base weights freeze)."""
+        pad_action_dim: int | None = None
+        """The width the chunk is denoised in (pi0: 32, the robot's dims first, zeros after; the
+        padded dims feed back into the real ones and are cut at the end). None: the
+        checkpoint's (``pretrained_path``), else the env's action dim (no padding)."""
+        pad_state_dim: int | None = None
+        """The width the state is zero-padded to before the expert's ``state_proj`` (pi0: 32).
+        None: the checkpoint's, else the env's proprio dim."""
 
         def _validate(self) -> list[tuple[str, str]]:
             errs = self._shared_errors()
             if self.flow_steps < 1:
                 errs.append(("flow_steps", f"must be >= 1, got {self.flow_steps}"))
+            for name in ("pad_action_dim", "pad_state_dim"):
+                value = getattr(self, name)
+                if value is not None and (not isinstance(value, int) or value < 1):
+                    errs.append((name, f"must be a positive int or null, got {value!r}"))
             if self.pretrained_path is not None and not Path(self.pretrained_path).exists():
                 errs.append(("pretrained_path", f"no such file or directory: {self.pretrained_path!r}"))
             for name, allowed in (("lm", SIZES["tiny"]["lm"]), ("expert", SIZES["tiny"]["expert"])):
@@ -295,10 +306,11 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         self.projector = nn.Linear(self.vision.config.hidden_size, lm["width"])
         vocab = max(self.tokenizer.vocab_size, lm["vocab_size"])
         self.lm = GemmaLM(vocab, lm["width"], lm["mlp"], lm["layers"], lm["heads"], lm["kv_heads"], lm["head_dim"])
+        self.state_width, action_width = self._padded_dims(spec, config, ckpt)
         expert = Pi0Expert(lm["layers"], ex["width"], ex["mlp"], ex["heads"], lm["kv_heads"], lm["head_dim"],
-                           spec.proprio_dim, spec.action_dim)
+                           self.state_width, action_width)
         self.action_head = FlowMatchingHead(expert, spec.action_chunk, spec.action_dim, steps=config.flow_steps,
-                                            init_log_sigma=config.init_log_sigma)
+                                            init_log_sigma=config.init_log_sigma, pad_to=action_width)
         self.value_mlp = nn.Sequential(nn.Linear(lm["width"], lm["width"]), nn.Tanh(), nn.Linear(lm["width"], 1)) \
             if config.value_head else None
         self.has_value_head = config.value_head
@@ -308,6 +320,26 @@ class Pi0VLA(SiglipInput, VLAPolicy):
             load_pi0_checkpoint(self, ckpt)
         if config.lora_rank > 0:
             self._add_lora(config)
+
+    @staticmethod
+    def _padded_dims(spec: PolicySpec, config: "Pi0VLA.Config", ckpt: Path | None) -> tuple[int, int]:
+        """The state's and the chain's widths: the options, else the checkpoint's, else the env's."""
+        found = {}
+        if ckpt is not None and (config.pad_state_dim is None or config.pad_action_dim is None):
+            from dvla.models.pi0_convert import padded_dims
+
+            found = padded_dims(ckpt)
+        state = config.pad_state_dim or found.get("state", spec.proprio_dim)
+        action = config.pad_action_dim or found.get("action", spec.action_dim)
+        for what, width, dim in (("state", state, spec.proprio_dim), ("action", action, spec.action_dim)):
+            if width < dim:
+                raise ValueError(f"pi0_vla: the {what} is padded to {width} dims, fewer than the env's {dim}")
+        return state, action
+
+    def padded_state(self, proprio: Tensor) -> Tensor:
+        """The state zero-padded to the expert's width (pi0's ``pad_vector``)."""
+        x = proprio.float()
+        return F.pad(x, (0, self.state_width - x.shape[-1])) if x.shape[-1] < self.state_width else x
 
     @property
     def expert(self) -> Pi0Expert:
@@ -352,7 +384,7 @@ class Pi0VLA(SiglipInput, VLAPolicy):
             h, k, v = layer(h, full, cos, sin)
             keys.append(k)
             values.append(v)
-        return PrefixCache(tuple(keys), tuple(values), mask, obs.proprio.float()), h
+        return PrefixCache(tuple(keys), tuple(values), mask, self.padded_state(obs.proprio)), h
 
     def forward(self, obs: Observation) -> PolicyOutput:
         cache, h = self.encode_prefix(obs)
@@ -368,7 +400,7 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         (it uses a prefix layer and an expert layer together, so it is no FSDP path). Returns
         the velocity and each layer's prefix keys."""
         hp, pmask = self.embed_prefix(obs)
-        hs = self.expert.embed_suffix(x, t, obs.proprio.float())
+        hs = self.expert.embed_suffix(x, t, self.padded_state(obs.proprio))
         L, s = hp.shape[1], hs.shape[1]
         pad = torch.cat([pmask, torch.ones(hs.shape[:2], dtype=torch.bool, device=hs.device)], dim=1)
         blocks = torch.cat([torch.zeros(L, dtype=torch.long, device=pad.device),

@@ -60,6 +60,52 @@ def test_the_flow_heads_log_prob_is_that_of_its_gaussian_transitions():
     assert not torch.allclose(head(cond).log_prob(draw.actions, other), log_prob, atol=1e-2)
 
 
+class _Mixing(torch.nn.Module):
+    """A velocity whose real dims read the padded ones (as pi0's action_in_proj does)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.w = torch.nn.Linear(width, width)
+
+    def forward(self, x, t, cond):
+        return self.w(x) + cond[:, None, :1] * t[:, None, None]
+
+
+def test_a_padded_chain_is_scored_over_everything_it_sampled():
+    """``pad_to``: the chain runs in 5 dims, the action is its first 2; the padded dims of the
+    last step travel as ``chain_pad``, and the learner's log-prob is the draw's, the joint
+    being the sum of all 5 dims' transitions (the per-dim elements still sum to it)."""
+    torch.manual_seed(0)
+    head = FlowMatchingHead(_Mixing(5), action_chunk=3, action_dim=2, steps=4, init_log_sigma=-1.0, pad_to=5)
+    cond = torch.randn(6, 3)
+    draw = head(cond).draw(generator=torch.Generator().manual_seed(3))
+    assert draw.actions.shape == (6, 3, 2) and draw.extras["chain"].shape == (6, 4, 3, 5)
+    assert draw.extras["chain_pad"].shape == (6, 3, 3) and set(head.rollout_extras()) == {"chain", "chain_pad"}
+    assert torch.allclose(draw.elements.sum(dim=(1, 2)), draw.log_prob, atol=1e-5)
+    # By hand: the Gaussian transitions of all five dims.
+    chain = draw.extras["chain"]
+    last = torch.cat([draw.actions, draw.extras["chain_pad"]], dim=-1)
+    nexts = torch.cat([chain[:, 1:], last[:, None]], dim=1)
+    sigma, want = head.log_sigma.exp(), torch.zeros(6)
+    for i in range(4):
+        mean = chain[:, i] + head.velocity_model(chain[:, i], torch.full((6,), i / 4), cond) / 4
+        want += torch.distributions.Normal(mean, sigma).log_prob(nexts[:, i]).sum(dim=(1, 2))
+    assert torch.allclose(draw.log_prob, want, atol=1e-4)
+    for batch_steps in (True, False):
+        head.batch_steps = batch_steps
+        assert torch.allclose(head(cond).log_prob(draw.actions, draw.extras), want, atol=1e-4)
+    # The padded dims count: other padding is another probability.
+    other = {**draw.extras, "chain_pad": draw.extras["chain_pad"] + 0.5}
+    assert not torch.allclose(head(cond).log_prob(draw.actions, other), want, atol=1e-2)
+    with pytest.raises(ValueError, match=r"extras\['chain_pad'\] of shape \(6, 3, 3\) is needed, got None"):
+        head(cond).log_prob(draw.actions, {"chain": chain})
+    # Imitation: zero-padded targets, the error over the real dims.
+    loss, _ = head(cond).imitation_loss(torch.randn(6, 3, 2), generator=torch.Generator().manual_seed(1))
+    assert loss.ndim == 0 and loss > 0
+    with pytest.raises(ValueError, match="pad_to"):
+        FlowMatchingHead(_Mixing(5), 3, 2, pad_to=1)
+
+
 def test_the_flow_head_refuses_to_score_without_its_chain():
     head = FlowMatchingHead(MLPVelocity(4, 2, 3, hidden_dim=8), 2, 3, steps=3)
     dist = head(torch.zeros(5, 4))

@@ -177,13 +177,15 @@ def test_lora_adapters_train_and_the_base_weights_freeze():
 
 def _openpi_layout(policy, pad_to: int = 32, tie_embeddings: bool = False, prefix: str = "") -> dict:
     """The tiny model's weights under the public pi0 PyTorch key names (written out here, not
-    with the converter's tables), state and actions zero-padded to 32 dims as pi0 does."""
+    with the converter's tables; transformers 4's ``vision_model`` level under the vision
+    tower, as LeRobot and openpi write it), state and actions zero-padded to 32 dims as pi0
+    does (the padded input columns zero, the padded output rows random)."""
     root = prefix + "paligemma_with_expert."
     out = {}
     for name, value in policy.state_dict().items():
         value = value.clone()
         if name.startswith("vision."):
-            out[root + "paligemma.model.vision_tower." + name[len("vision."):]] = value
+            out[root + "paligemma.model.vision_tower.vision_model." + name[len("vision."):]] = value
         elif name.startswith("projector."):
             out[root + "paligemma.model.multi_modal_projector.linear." + name[len("projector."):]] = value
         elif name == "lm.embed_tokens.weight" and tie_embeddings:
@@ -214,12 +216,19 @@ def test_a_pi0_checkpoint_converts_to_identical_outputs(tmp_path, tie, prefix):
     fresh = build_policy("pi0_vla", first.spec, TINY)
     second = build_policy("pi0_vla", first.spec, {**TINY, "pretrained_path": str(tmp_path)})
     assert not torch.equal(fresh.lm.layers[1].self_attn.k_proj.weight, first.lm.layers[1].self_attn.k_proj.weight)
+    assert second.state_width == 32 and second.action_head.width == 32 and second.action_head.d == 2
     for name, p in first.state_dict().items():
         if name != "action_head.log_sigma":
-            assert torch.equal(second.state_dict()[name], p), name
+            got = second.state_dict()[name]
+            assert torch.equal(got[tuple(slice(0, n) for n in p.shape)], p), name
+    # The padded columns are zero: the real dims' velocity is the unpadded model's whatever the
+    # padded dims hold, and the noise-free chunk is the same.
     x, t = torch.randn(4, 2, 2), torch.rand(4)
-    assert torch.equal(second.expert(x, t, second.encode_prefix(obs)[0]), first.expert(x, t, first.encode_prefix(obs)[0]))
-    assert torch.equal(second(obs).dist.mode(), first(obs).dist.mode())
+    xp = torch.cat([x, torch.randn(4, 2, 30)], dim=-1)
+    v = second.expert(xp, t, second.encode_prefix(obs)[0])
+    assert v.shape == (4, 2, 32) and torch.allclose(v[..., :2], first.expert(x, t, first.encode_prefix(obs)[0]),
+                                                    atol=1e-6)
+    assert torch.allclose(second(obs).dist.mode(), first(obs).dist.mode(), atol=1e-6)
 
 
 def test_a_checkpoint_that_does_not_fit_is_one_error_naming_the_keys(tmp_path):
@@ -238,7 +247,7 @@ def test_a_checkpoint_that_does_not_fit_is_one_error_naming_the_keys(tmp_path):
     msg = str(err.value)
     assert "\n" not in msg and "missing (1): lm.layers.1.mlp.up_proj.weight;" in msg
     assert "unexpected (1): paligemma_with_expert.time_mlp_in.weight" in msg and "pi0.5" in msg
-    assert "action_in_proj.weight (3, 32) vs (32, 2)" in msg
+    assert "action_in_proj.weight (3, 32) vs (32, 32)" in msg
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="no model.safetensors in"):
         build_policy("pi0_vla", policy.spec, {**TINY, "pretrained_path": str(tmp_path / "empty")})
