@@ -74,6 +74,21 @@ class PaddedTokenizer:
         return self.encode_batch(texts)[0]
 
 
+class Prompted(PaddedTokenizer):
+    """``tokenizer`` applied to each instruction set in ``template`` (``{instruction}`` marks
+    where): a model's own prompt format, e.g. pi0's ``"{instruction}\n"``."""
+
+    def __init__(self, tokenizer: PaddedTokenizer, template: str):
+        if "{instruction}" not in template:
+            raise ValueError(f"a prompt template needs {{instruction}}, got {template!r}")
+        self.inner, self.template = tokenizer, template
+        self.pad_id, self.max_len = tokenizer.pad_id, tokenizer.max_len
+        self.vocab_size = getattr(tokenizer, "vocab_size", None)
+
+    def encode(self, text: str) -> list[int]:
+        return self.inner.encode(self.template.replace("{instruction}", text))
+
+
 class HashTokenizer(PaddedTokenizer):
     """Deterministic word-level tokenizer needing no vocabulary file or download.
 

@@ -224,12 +224,18 @@ class FlowChainDistribution(ActionDistribution):
         z = (x_next - mean) * torch.exp(-self.log_sigma)
         return -0.5 * z.pow(2) - self.log_sigma - _HALF_LOG_2PI
 
-    def draw(self, deterministic: bool = False, generator: torch.Generator | None = None) -> Draw:
+    def draw(self, deterministic: bool = False, generator: torch.Generator | None = None,
+             start: Tensor | None = None) -> Draw:
         """Run the noisy chain (``deterministic``: the noise-free integration from ``x_0 = 0``,
-        scored as if its steps were the means of the transitions)."""
+        scored as if its steps were the means of the transitions). ``start``: ``x_0`` given,
+        ``(B, K, width)``: with ``deterministic``, the reference samplers' integration of
+        given noise (pi0's ``sample_actions(noise=)``)."""
         dev = self.log_sigma.device
         shape = (self.batch_size, self.head.k, self.head.width)
-        x = torch.zeros(shape, device=dev) if deterministic else torch.randn(shape, generator=generator, device=dev)
+        if start is not None and tuple(start.shape) != shape:
+            raise ValueError(f"the flow head's start x_0 must be {shape}, got {tuple(start.shape)}")
+        x = start.float().to(dev) if start is not None else torch.zeros(shape, device=dev) if deterministic \
+            else torch.randn(shape, generator=generator, device=dev)
         chain, elements = [], torch.zeros(shape, device=dev)
         sigma = self.log_sigma.exp()
         for i in range(self.head.steps):

@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from dvla.heads.flow import FlowMatchingHead
 from dvla.models.vlm import SiglipInput, VLMOptions, cameras_used, make_tokenizer
 from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, register_policy
+from dvla.tokenizers import Prompted
 from dvla.types import Observation
 
 _SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
@@ -268,6 +269,21 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         """The width the chunk is denoised in (pi0: 32, the robot's dims first, zeros after; the
         padded dims feed back into the real ones and are cut at the end). None: the
         checkpoint's (``pretrained_path``), else the env's action dim (no padding)."""
+        prompt: str = "{instruction}\n"
+        """How an instruction becomes the prompt (pi0's: the task and a newline; the tokenizer
+        adds its own BOS)."""
+        image_resize: Literal["pad", "stretch"] = "pad"
+        """Cameras to the tower's side: ``pad`` keeps the aspect ratio (pi0's resize_with_pad)."""
+        image_pad_value: float | None = None
+        """The bands' value in [-1, 1] space. None: openpi's -1.0 (black), or -3.0 for a
+        LeRobot checkpoint (its pi0 pads with -1 before scaling [0, 1] to [-1, 1])."""
+        checkpoint_stats: bool = True
+        """Act with the checkpoint's normalisation statistics (LeRobot's processor files,
+        openpi's norm_stats.json; :mod:`dvla.models.reference_stats`), as its model was trained."""
+        norm_stats: str | None = None
+        """openpi's norm_stats.json, named (default: in the checkpoint's directory or assets/*/)."""
+        quantile_norm: bool = False
+        """openpi's statistics as quantile bounds (pi0.5's default) instead of z-scores."""
         pad_state_dim: int | None = None
         """The width the state is zero-padded to before the expert's ``state_proj`` (pi0: 32).
         None: the checkpoint's, else the env's proprio dim."""
@@ -276,6 +292,12 @@ class Pi0VLA(SiglipInput, VLAPolicy):
             errs = self._shared_errors()
             if self.flow_steps < 1:
                 errs.append(("flow_steps", f"must be >= 1, got {self.flow_steps}"))
+            if self.norm_stats is not None and not Path(self.norm_stats).is_file():
+                errs.append(("norm_stats", f"no such file: {self.norm_stats!r}"))
+            if "{instruction}" not in self.prompt:
+                errs.append(("prompt", f"needs {{instruction}}, got {self.prompt!r}"))
+            if self.image_resize not in ("pad", "stretch"):
+                errs.append(("image_resize", f"`pad` or `stretch`, got {self.image_resize!r}"))
             for name in ("pad_action_dim", "pad_state_dim"):
                 value = getattr(self, name)
                 if value is not None and (not isinstance(value, int) or value < 1):
@@ -293,7 +315,8 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         tf = _transformers()
         ckpt = Path(config.pretrained_path) if config.pretrained_path else None
         self.cameras_used = cameras_used(spec, config)
-        self.tokenizer = make_tokenizer(config, ckpt if ckpt is None or ckpt.is_dir() else ckpt.parent)
+        self.tokenizer = Prompted(make_tokenizer(config, ckpt if ckpt is None or ckpt.is_dir() else ckpt.parent),
+                                  config.prompt)
         lm = {**SIZES[config.size]["lm"], **config.lm}
         ex = {**SIZES[config.size]["expert"], **config.expert}
         if lm["heads"] % lm["kv_heads"] or ex["heads"] % lm["kv_heads"]:
@@ -303,6 +326,10 @@ class Pi0VLA(SiglipInput, VLAPolicy):
             **SIZES[config.size]["vision"], "num_channels": spec.image_shape[0], "vision_use_head": False,
             **config.vision}))
         self.image_size = self.vision.config.image_size
+        self.image_resize = config.image_resize
+        lerobot = ckpt is not None and ckpt.is_dir() and (ckpt / "policy_preprocessor.json").is_file()
+        self.image_pad_value = config.image_pad_value if config.image_pad_value is not None \
+            else -3.0 if lerobot else -1.0
         self.projector = nn.Linear(self.vision.config.hidden_size, lm["width"])
         vocab = max(self.tokenizer.vocab_size, lm["vocab_size"])
         self.lm = GemmaLM(vocab, lm["width"], lm["mlp"], lm["layers"], lm["heads"], lm["kv_heads"], lm["head_dim"])
@@ -318,6 +345,12 @@ class Pi0VLA(SiglipInput, VLAPolicy):
             from dvla.models.pi0_convert import load_pi0_checkpoint
 
             load_pi0_checkpoint(self, ckpt)
+            if config.checkpoint_stats:
+                from dvla.models.reference_stats import checkpoint_normalizer
+
+                self.normalizer = checkpoint_normalizer(ckpt if ckpt.is_dir() else ckpt.parent, spec.proprio_dim,
+                                                        spec.action_dim, norm_stats=config.norm_stats,
+                                                        quantile=config.quantile_norm)
         if config.lora_rank > 0:
             self._add_lora(config)
 

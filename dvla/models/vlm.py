@@ -62,16 +62,27 @@ def cameras_used(spec, config: VLMOptions) -> tuple[str, ...]:
 
 class SiglipInput:
     """``preprocess`` for a policy with a SigLIP tower of input side ``self.image_size``: every
-    camera (uint8, each its own size) resized to it and scaled to [-1, 1] (SigLIP's
-    normalisation, mean and std 0.5)."""
+    camera (uint8, each its own size) scaled to [-1, 1] (SigLIP's normalisation, mean and std
+    0.5) and resized to it: stretched (``image_resize = "stretch"``), or, as pi0's reference
+    code does (openpi's and LeRobot's ``resize_with_pad``), resized keeping its aspect ratio
+    (bilinear, ``int(side / ratio)``) and centred between bands of ``image_pad_value``."""
 
     image_size: int
+    image_resize: str = "stretch"
+    image_pad_value: float = -1.0
 
     def _pixels(self, image: Tensor) -> Tensor:
         x = image.float() * (1.0 / 255.0)
-        if x.shape[-1] != self.image_size or x.shape[-2] != self.image_size:
-            x = F.interpolate(x, size=(self.image_size, self.image_size), mode="bilinear", align_corners=False)
-        return (x - 0.5) / 0.5
+        side, (h, w) = self.image_size, x.shape[-2:]
+        if (h, w) != (side, side):
+            if self.image_resize == "pad":
+                ratio = max(w / side, h / side)
+                rh, rw = int(h / ratio), int(w / ratio)
+                x = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False) * 2.0 - 1.0
+                top, left = (side - rh) // 2, (side - rw) // 2
+                return F.pad(x, (left, side - rw - left, top, side - rh - top), value=self.image_pad_value)
+            x = F.interpolate(x, size=(side, side), mode="bilinear", align_corners=False)
+        return x * 2.0 - 1.0
 
     def preprocess(self, obs: Observation) -> Observation:
         return dataclasses.replace(obs, image=self._pixels(obs.image),
