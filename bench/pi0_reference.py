@@ -20,6 +20,13 @@ openpi's transformers_replace files are not vendored: pass the folder with --rep
 
 Usage:
   python3 bench/pi0_reference.py --replace-dir DIR [--venv /tmp/pi0ref] [--out tests/fixtures/pi0]
+  python bench/pi0_reference.py --skip-install --check-export /tmp/pi0_export
+
+``--check-export DIR`` (run with dvla's own Python): dvla builds pi0_vla from the fixture, moves
+every weight (as training would), writes it with ``dvla export``'s LeRobot layout into DIR and
+records its chunk for the fixture's noise and inputs; then, in the reference venv, LeRobot's
+``PI0Policy.from_pretrained(DIR)`` and the processors saved there compute the chunk for the same
+raw inputs and noise, which must agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -369,12 +376,83 @@ def _build(out: Path):
     print(f"fixture: {out} ({total / 1e6:.2f} MB)")
 
 
+def dvla_export(out: Path, fixture: Path) -> None:
+    """dvla's side of --check-export (dvla's Python): an exported, moved policy and its chunk."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sys.path.insert(0, str(REPO))
+    from dvla.models.pi0_export import export_pi0
+    from dvla.policy import PolicySpec, build_policy
+    from dvla.types import Observation
+    from tests.unit.dvla.test_pi0_reference import _options
+
+    st = load_file(str(fixture / "stages.safetensors"))
+    main_cam, wrist = CAMERAS
+    frames = {c: st[f"raw_image.{c}"].permute(0, 3, 1, 2).contiguous() for c in CAMERAS}
+    spec = PolicySpec((3, RAW_H, RAW_W), STATE_DIM, ACTION_DIM, 10, cameras=((wrist, (3, RAW_H, RAW_W)),))
+    policy = build_policy("pi0_vla", spec, _options()).eval()
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(11)
+        for p in policy.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+    export_pi0(policy, out, "lerobot", fixture, policy.normalizer)
+    obs = Observation(image=frames[main_cam], proprio=st["raw_state"], instruction=list(PROMPTS),
+                      cameras={wrist: frames[wrist]})
+    with torch.no_grad():
+        draw = policy(policy.model_inputs(obs)).dist.draw(deterministic=True, start=st["noise"])
+    save_file({"chunk": policy.normalizer.unactions(draw.actions).contiguous(), "noise": st["noise"]},
+              str(out / "dvla_expected.safetensors"))
+    print(f"dvla: exported a moved pi0_vla to {out} with its chunk for the fixture's inputs")
+
+
+def check_export(out: Path, fixture: Path) -> None:
+    """The reference's side of --check-export (the reference venv)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from lerobot.envs.utils import preprocess_observation
+    from lerobot.policies.pi0 import PI0Policy
+    from lerobot.processor import PolicyProcessorPipeline, tokenizer_processor
+    from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
+
+    tokenizer = make_tokenizer()
+
+    class _Auto:
+        @staticmethod
+        def from_pretrained(name, *a, **k):
+            return tokenizer
+
+    tokenizer_processor.AutoTokenizer = _Auto
+    restore = install_tiny_overrides()
+    with torch.no_grad():
+        policy = PI0Policy.from_pretrained(str(out), local_files_only=True).eval()
+        pre = PolicyProcessorPipeline.from_pretrained(str(out), config_filename="policy_preprocessor.json")
+        post = PolicyProcessorPipeline.from_pretrained(str(out), config_filename="policy_postprocessor.json",
+                                                       to_transition=policy_action_to_transition,
+                                                       to_output=transition_to_policy_action)
+        st = load_file(str(fixture / "stages.safetensors"))
+        obs = preprocess_observation({"pixels": {c: st[f"raw_image.{c}"].numpy() for c in CAMERAS},
+                                      "agent_pos": st["raw_state"].numpy()})
+        obs["task"] = list(PROMPTS)
+        want = load_file(str(out / "dvla_expected.safetensors"))
+        chunk = post(policy.predict_action_chunk(pre(obs), noise=want["noise"]))
+    restore()
+    err = (chunk - want["chunk"]).abs().max().item()
+    print(f"LeRobot {out}: the chunk differs from dvla's by at most {err:.2e}")
+    if err > 1e-4:
+        raise SystemExit(f"check-export: FAIL (max abs difference {err:.2e})")
+    print("check-export: PASS")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replace-dir", type=Path, help="openpi src/openpi/models_pytorch/transformers_replace")
     ap.add_argument("--venv", type=Path, default=Path("/tmp/pi0ref"))
     ap.add_argument("--out", type=Path, default=REPO / "tests" / "fixtures" / "pi0")
     ap.add_argument("--skip-install", action="store_true", help="reuse the venv as it is")
+    ap.add_argument("--check-export", type=Path, metavar="DIR",
+                    help="export a moved pi0_vla to DIR with dvla and check that LeRobot computes the same chunk")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.inner:
@@ -382,8 +460,13 @@ def main():
         from transformers.models.siglip import check
 
         assert check.check_whether_transformers_replace_is_installed_correctly()
-        build(a.out.resolve())
+        if a.check_export:
+            check_export(a.check_export.resolve(), a.out.resolve())
+        else:
+            build(a.out.resolve())
         return
+    if a.check_export:
+        dvla_export(a.check_export.resolve(), a.out.resolve())
     if a.skip_install:
         py = a.venv / "bin" / "python"
     else:
@@ -392,7 +475,8 @@ def main():
         py = setup_venv(a.venv, a.replace_dir.resolve())
     env = dict(os.environ, PYTHONHASHSEED="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                CUBLAS_WORKSPACE_CONFIG=":4096:8")
-    sh_env = [str(py), str(Path(__file__).resolve()), "--inner", "--out", str(a.out.resolve())]
+    sh_env = [str(py), str(Path(__file__).resolve()), "--inner", "--out", str(a.out.resolve()),
+              *(["--check-export", str(a.check_export.resolve())] if a.check_export else [])]
     print("+", " ".join(sh_env), flush=True)
     subprocess.run(sh_env, check=True, env=env)
 

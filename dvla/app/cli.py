@@ -17,6 +17,8 @@
                                                  a policy's or an expert's episodes as a LeRobot dataset
     dvla sft --data DATASET [--preset P] [KEY=VALUE ...]
                                                  supervised warm start on demonstrations (policy.init takes it)
+    dvla export [RUN_DIR] --format lerobot|openpi --out DIR
+                                                 a run's pi0 in the reference's layout, for its code to load
 
 RUN_DIR defaults to the newest run under runs/; a base directory (run.out_dir) means
 its latest run.
@@ -51,6 +53,8 @@ COMMANDS = {
     "record": Command("record", "a policy's or a scripted expert's episodes as a LeRobot dataset", needs="data"),
     "sft": Command("sft", "supervised warm start of a policy on a demonstration dataset (then policy.init=RUN_DIR)",
                    needs="data"),
+    "export": Command("export", "a run's policy in its reference's layout (pi0: LeRobot's or openpi's)",
+                      ("--format", "--out")),
     "keys": Command("keys", "make persistent CurveZMQ client keys, one per rank (data_plane.curve_keys_dir)"),
 }
 

@@ -36,7 +36,7 @@ def _setup(wrist: int = 8, **options):
 
 
 @pytest.mark.slow
-def test_pi0_vla_learns_fast_reach(tmp_path):
+def test_pi0_vla_learns_fast_reach(tmp_path, capsys):
     """The tiny shape cut to one vision and one prefix (and so expert) layer (0.13M
     parameters), serial driver, 4 denoising steps: success from chance to most episodes in 18
     updates. Measured, first and last 5 updates, run.seed 0 (this test): 0.14 -> 0.73 (run.seed
@@ -53,6 +53,20 @@ def test_pi0_vla_learns_fast_reach(tmp_path):
     lanes.run()
     success = [json.loads(line)["success_rate"] for line in open(lanes.out_dir / "metrics.jsonl")]
     assert sum(success[-5:]) / 5 > sum(success[:5]) / 5 + 0.3, success
+    # The trained run through `dvla export`: openpi's layout, which pi0_vla loads back to the same
+    # actions; LeRobot's needs the LeRobot checkpoint the run started from (it has none).
+    from dvla.app.export import main as export
+    from dvla.evaluation.score import load_policy
+
+    assert export([str(lanes.out_dir), "--format", "openpi", "--out", str(tmp_path / "openpi")]) == 0
+    _, trained, _ = load_policy(lanes.out_dir)
+    options = {**cfg.policy.options, "pretrained_path": str(tmp_path / "openpi")}
+    again = build_policy("pi0_vla", trained.spec, options).eval()
+    obs = make_env(cfg.env, seed=3).reset()
+    assert torch.allclose(again.act(obs, deterministic=True).actions, trained.act(obs, deterministic=True).actions,
+                          atol=1e-5)
+    assert export([str(lanes.out_dir), "--format", "lerobot", "--out", str(tmp_path / "lerobot")]) == 2
+    assert "config.json of the checkpoint the run started from" in capsys.readouterr().err
 
 
 def test_the_prefix_runs_once_per_decision_in_the_rollout_and_in_learning():
