@@ -376,7 +376,7 @@ def _build(out: Path):
     print(f"fixture: {out} ({total / 1e6:.2f} MB)")
 
 
-def dvla_export(out: Path, fixture: Path) -> None:
+def dvla_export(out: Path, fixture: Path, version: str = "pi0") -> None:
     """dvla's side of --check-export (dvla's Python): an exported, moved policy and its chunk."""
     import torch
     from safetensors.torch import load_file, save_file
@@ -391,7 +391,7 @@ def dvla_export(out: Path, fixture: Path) -> None:
     main_cam, wrist = CAMERAS
     frames = {c: st[f"raw_image.{c}"].permute(0, 3, 1, 2).contiguous() for c in CAMERAS}
     spec = PolicySpec((3, RAW_H, RAW_W), STATE_DIM, ACTION_DIM, 10, cameras=((wrist, (3, RAW_H, RAW_W)),))
-    policy = build_policy("pi0_vla", spec, _options()).eval()
+    policy = build_policy("pi0_vla", spec, _options(version)).eval()
     with torch.no_grad():
         g = torch.Generator().manual_seed(11)
         for p in policy.parameters():
@@ -406,13 +406,13 @@ def dvla_export(out: Path, fixture: Path) -> None:
     print(f"dvla: exported a moved pi0_vla to {out} with its chunk for the fixture's inputs")
 
 
-def check_export(out: Path, fixture: Path) -> None:
-    """The reference's side of --check-export (the reference venv)."""
+def check_export(out: Path, fixture: Path, policy_class=None, overrides=None) -> None:
+    """The reference's side of --check-export (the reference venv): LeRobot's ``policy_class``
+    (PI0Policy) at the tiny sizes ``overrides`` installs."""
     import torch
     from safetensors.torch import load_file
 
     from lerobot.envs.utils import preprocess_observation
-    from lerobot.policies.pi0 import PI0Policy
     from lerobot.processor import PolicyProcessorPipeline, tokenizer_processor
     from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
 
@@ -424,9 +424,11 @@ def check_export(out: Path, fixture: Path) -> None:
             return tokenizer
 
     tokenizer_processor.AutoTokenizer = _Auto
-    restore = install_tiny_overrides()
+    if policy_class is None:
+        from lerobot.policies.pi0 import PI0Policy as policy_class
+    restore = (overrides or install_tiny_overrides)()
     with torch.no_grad():
-        policy = PI0Policy.from_pretrained(str(out), local_files_only=True).eval()
+        policy = policy_class.from_pretrained(str(out), local_files_only=True).eval()
         pre = PolicyProcessorPipeline.from_pretrained(str(out), config_filename="policy_preprocessor.json")
         post = PolicyProcessorPipeline.from_pretrained(str(out), config_filename="policy_postprocessor.json",
                                                        to_transition=policy_action_to_transition,

@@ -89,6 +89,29 @@ class Prompted(PaddedTokenizer):
         return self.inner.encode(self.template.replace("{instruction}", text))
 
 
+class ByteTokenizer(PaddedTokenizer):
+    """An instruction as its UTF-8 bytes (ids 1-256; 0 pads): the text itself, recoverable
+    exactly on any rank (:meth:`decode`), for a model that builds its prompt at its input
+    (pi0.5's carries the state). A longer instruction than ``max_len`` bytes is an error."""
+
+    pad_id, vocab_size = 0, 257
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+
+    def encode(self, text: str) -> list[int]:
+        data = text.encode()
+        if len(data) > self.max_len:
+            raise ValueError(f"an instruction of {len(data)} bytes is longer than the {self.max_len} kept "
+                             f"(policy.options.max_tokens): {text[:40]!r}...")
+        return [b + 1 for b in data]
+
+    @staticmethod
+    def decode(ids: Tensor, mask: Tensor) -> list[str]:
+        """The texts of ``(B, L)`` ids and their mask."""
+        return [bytes(int(i) - 1 for i in row[m]).decode() for row, m in zip(ids.cpu(), mask.cpu().bool())]
+
+
 class HashTokenizer(PaddedTokenizer):
     """Deterministic word-level tokenizer needing no vocabulary file or download.
 
@@ -141,14 +164,19 @@ class HFTokenizer(PaddedTokenizer):
         self.pad_id, self.max_len, self.special = int(pad_id), max_len, add_special_tokens
         self._cache: dict[str, list[int]] = {}
 
+    caching = True
+    """Keep each text's ids (an env's instructions repeat); off for prompts that change every
+    step (pi0.5's, which carry the state)."""
+
     def encode(self, text: str) -> list[int]:
-        ids = self._cache.get(text)
+        ids = self._cache.get(text) if self.caching else None
         if ids is None:
             if self._fast:
                 ids = self.tok.encode(text, add_special_tokens=self.special).ids
             else:
                 ids = self.tok(text, add_special_tokens=self.special)["input_ids"]
-            self._cache[text] = ids
+            if self.caching:
+                self._cache[text] = ids
         return ids
 
 

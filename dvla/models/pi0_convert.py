@@ -41,7 +41,8 @@ _RENAMES = (  # (checkpoint prefix after the root, model prefix); first match wi
     ("gemma_expert.model.layers.", _EXPERT + "layers."),
     ("gemma_expert.model.norm.", _EXPERT + "norm."),
 )
-_TOP = ("state_proj.", "action_in_proj.", "action_out_proj.", "action_time_mlp_in.", "action_time_mlp_out.")
+_TOP = ("state_proj.", "action_in_proj.", "action_out_proj.", "action_time_mlp_in.", "action_time_mlp_out.",
+        "time_mlp_in.", "time_mlp_out.")  # (the last two: pi0.5's)
 _UNUSED = ("paligemma.lm_head.", "paligemma.language_model.lm_head.", "gemma_expert.lm_head.")
 _TIED = ("paligemma.lm_head.weight", "paligemma.language_model.lm_head.weight")
 # Parameters of the built-in model that a pi0 checkpoint has no counterpart for.
@@ -63,8 +64,8 @@ def checkpoint_file(path: str | Path) -> Path:
 def model_key(key: str) -> str | None:
     """The built-in model's name for a checkpoint key; None for a key it does not use; the key
     itself (marked unexpected later) when it is not a pi0 key."""
-    key = key[len("model."):] if key.startswith("model." + _ROOT) or key.startswith("model.action_") \
-        or key.startswith("model.state_proj.") else key
+    key = key[len("model."):] if key.startswith(("model." + _ROOT, "model.action_", "model.state_proj.",
+                                                 "model.time_mlp_")) else key
     if key.startswith(_TOP):
         return _EXPERT + key
     if key.startswith(_ROOT):
@@ -123,8 +124,10 @@ def convert_state_dict(tensors: dict[str, Tensor], model: nn.Module) -> dict[str
         parts = [f"{label} ({len(items)}): {', '.join(items[:4])}{', ...' if len(items) > 4 else ''}"
                  for label, items in (("missing", missing), ("unexpected", unexpected),
                                       ("shape mismatches", mismatched)) if items]
-        hint = " (pi0.5 checkpoints, with time_mlp_* and adaRMS norms, are not supported)" \
-            if any("time_mlp_in" in k and "action_time" not in k for k in unexpected) else ""
+        pi05 = any("time_mlp_in" in k and "action_time" not in k for k in unexpected)
+        pi0 = any("action_time_mlp_in" in k or "state_proj" in k for k in unexpected)
+        hint = " (a pi0.5 checkpoint, with time_mlp_* and adaptive norms: policy.options.version=pi05)" if pi05 \
+            else " (a pi0 checkpoint: policy.options.version=pi0)" if pi0 else ""
         raise CheckpointError("pi0 checkpoint does not fit pi0_vla: " + "; ".join(parts) + hint)
     return out
 

@@ -91,7 +91,7 @@ def export_tensors(policy: nn.Module, fmt: str) -> dict[str, Tensor]:
         key = checkpoint_key(name)
         if key is not None:
             out[prefix + key] = value.float().contiguous().cpu()
-    vocab, width = policy.lm.embed_tokens.weight.shape[0], policy.expert.norm.weight.shape[0]
+    vocab, width = policy.lm.embed_tokens.weight.shape[0], policy.expert.action_in_proj.out_features
     out[prefix + _ROOT + _EXPERT_HEAD] = torch.zeros(vocab, width)
     return out
 

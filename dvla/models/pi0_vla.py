@@ -11,6 +11,9 @@ every layer its queries attend over ``concat(prefix K/V of that layer, its own K
 pi0's block-causal mask: the prefix sees only itself, the state sees the prefix and itself,
 the actions see everything. So the two must share ``head_dim`` and ``kv_heads``.
 
+* ``version``: ``pi0``, or ``pi05`` (pi0.5: the expert's norms conditioned on the flow time by
+  :class:`dvla.models.gemma.AdaRMSNorm`, no state token, the state in the prompt as 256-bin
+  tokens made at the model's input from the instruction's bytes; docs/pi0.md).
 * ``size``: ``tiny`` (trains on a CPU) or ``3b`` (pi0's shapes: SigLIP-So400m, Gemma-2B with
   PaliGemma's vocabulary and an 18-layer, 1024-wide expert: 3.2B parameters). ``vision``,
   ``lm`` and ``expert`` override single fields.
@@ -32,19 +35,36 @@ Needs the ``[vla]`` extra (``transformers``, ``tokenizers``, ``peft`` for LoRA).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dvla.heads.flow import FlowMatchingHead
+from dvla.models.gemma import AdaRMSNorm, GemmaBlock, GemmaLM, RMSNorm, attend, block_mask, norm, rope
 from dvla.models.vlm import SiglipInput, VLMOptions, cameras_used, make_tokenizer
 from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, register_policy
-from dvla.tokenizers import Prompted
+from dvla.tokenizers import ByteTokenizer, Prompted
+
+PI0_PROMPT = "{instruction}\n"
+PI05_PROMPT = "Task: {instruction}, State: {state};\nAction: "
+
+
+def _lerobot_config(ckpt: Path) -> dict:
+    """A LeRobot checkpoint's config.json (empty where there is none)."""
+    import json
+
+    file = (ckpt if ckpt.is_dir() else ckpt.parent) / "config.json"
+    try:
+        return json.loads(file.read_text()) if file.is_file() else {}
+    except ValueError:
+        return {}
 from dvla.types import Observation
 
 _SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
@@ -66,115 +86,6 @@ def _transformers():
     except ImportError as exc:
         raise ImportError("policy pi0_vla needs the `transformers` package: pip install 'dvla[vla]'") from exc
     return transformers
-
-
-# -- Gemma-shaped blocks (parameter names as in transformers' Gemma, which the converter relies on) ------------
-
-class RMSNorm(nn.Module):
-    """Gemma's RMS norm: ``x / rms(x) * (1 + weight)``, computed in fp32."""
-
-    def __init__(self, width: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.zeros(width))
-
-    def forward(self, x: Tensor) -> Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
-        return y.type_as(x)
-
-
-class _Attention(nn.Module):
-    def __init__(self, width: int, heads: int, kv_heads: int, head_dim: int):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(width, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(width, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, width, bias=False)
-
-
-class _MLP(nn.Module):
-    def __init__(self, width: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(width, hidden, bias=False)
-        self.up_proj = nn.Linear(width, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, width, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-
-def rope(positions: Tensor, head_dim: int, theta: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """Rotary embedding tables for ``positions`` ``(B, S)``: cos and sin, ``(B, 1, S, head_dim)``."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    ang = positions.float()[..., None] * inv
-    ang = torch.cat([ang, ang], dim=-1)[:, None]
-    return ang.cos(), ang.sin()
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat([-b, a], dim=-1) * sin).to(x.dtype)
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Attention of ``q`` ``(B, H, S, hd)`` over ``k, v`` ``(B, KV, L, hd)`` (GQA) where ``mask``
-    ``(B, S, L)`` is true."""
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask[:, None],
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
-def block_mask(pad: Tensor, blocks: Tensor) -> Tensor:
-    """pi0's block-causal mask ``(B, S, S)``: token ``q`` sees token ``k`` when ``k`` is valid
-    (``pad``, ``(B, S)``) and its block (``blocks``, ``(S,)``, non-decreasing) is not after ``q``'s.
-    Every token sees itself, so that a padding token's row is not empty."""
-    see = (blocks[None, :] <= blocks[:, None])[None] & pad[:, None, :]
-    return see | torch.eye(pad.shape[1], dtype=torch.bool, device=pad.device)
-
-
-class GemmaBlock(nn.Module):
-    """One Gemma decoder layer. ``forward(h, mask, cos, sin, past)`` returns the new hidden
-    states and this layer's own keys and values (after RoPE); ``past`` (keys, values) of
-    earlier tokens (the prefix's, for an expert layer) are attended before its own."""
-
-    def __init__(self, width: int, mlp: int, heads: int, kv_heads: int, head_dim: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(width)
-        self.self_attn = _Attention(width, heads, kv_heads, head_dim)
-        self.post_attention_layernorm = RMSNorm(width)
-        self.mlp = _MLP(width, mlp)
-
-    def qkv(self, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        a, (b, s) = self.self_attn, h.shape[:2]
-        n = self.input_layernorm(h)
-        q = a.q_proj(n).reshape(b, s, a.heads, a.head_dim).transpose(1, 2)
-        k = a.k_proj(n).reshape(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
-        v = a.v_proj(n).reshape(b, s, a.kv_heads, a.head_dim).transpose(1, 2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
-
-    def finish(self, h: Tensor, att: Tensor) -> Tensor:
-        """The attention output ``(B, H, S, hd)`` through ``o_proj``, the residuals and the MLP."""
-        h = h + self.self_attn.o_proj(att.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1)).to(h.dtype)
-        return h + self.mlp(self.post_attention_layernorm(h)).to(h.dtype)
-
-    def forward(self, h: Tensor, mask: Tensor, cos: Tensor, sin: Tensor,
-                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = self.qkv(h, cos, sin)
-        keys, values = (torch.cat([past[0], k.to(past[0].dtype)], 2), torch.cat([past[1], v.to(past[1].dtype)], 2)) \
-            if past is not None else (k, v)
-        return self.finish(h, attend(q, keys, values, mask)), k, v
-
-
-class GemmaLM(nn.Module):
-    """The prefix language model: token embeddings, layers and the final norm (named as in
-    transformers' ``GemmaModel``)."""
-
-    def __init__(self, vocab: int, width: int, mlp: int, layers: int, heads: int, kv_heads: int, head_dim: int):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, width)
-        nn.init.normal_(self.embed_tokens.weight, std=width ** -0.5)
-        self.layers = nn.ModuleList(GemmaBlock(width, mlp, heads, kv_heads, head_dim) for _ in range(layers))
-        self.norm = RMSNorm(width)
 
 
 # -- the action expert: the flow head's velocity model ---------------------------------------------------------
@@ -200,47 +111,59 @@ def time_embedding(tau: Tensor, width: int, min_period: float = 4e-3, max_period
 
 class Pi0Expert(nn.Module):
     """``v(x, t, cache)``: the velocity of the noisy chunk ``x`` ``(B, K, D)`` at flow time ``t``
-    ``(B,)`` given a :class:`PrefixCache`."""
+    ``(B,)`` given a :class:`PrefixCache`. pi0: a state token, then the actions, each mixed with
+    the time by ``action_time_mlp``. pi0.5 (``adaptive``): the actions alone (the state is in the
+    prompt), and the time, through ``time_mlp``, conditions every norm (:class:`AdaRMSNorm`)."""
 
     def __init__(self, layers: int, width: int, mlp: int, heads: int, kv_heads: int, head_dim: int,
-                 proprio_dim: int, action_dim: int):
+                 proprio_dim: int, action_dim: int, adaptive: bool = False):
         super().__init__()
-        self.layers = nn.ModuleList(GemmaBlock(width, mlp, heads, kv_heads, head_dim) for _ in range(layers))
-        self.norm = RMSNorm(width)
+        cond = width if adaptive else None
+        self.adaptive = adaptive
+        self.layers = nn.ModuleList(GemmaBlock(width, mlp, heads, kv_heads, head_dim, cond) for _ in range(layers))
+        self.norm = AdaRMSNorm(width, width) if adaptive else RMSNorm(width)
         self.head_dim = head_dim
-        self.state_proj = nn.Linear(proprio_dim, width)
         self.action_in_proj = nn.Linear(action_dim, width)
-        self.action_time_mlp_in = nn.Linear(2 * width, width)
-        self.action_time_mlp_out = nn.Linear(width, width)
+        if adaptive:
+            self.time_mlp_in = nn.Linear(width, width)
+            self.time_mlp_out = nn.Linear(width, width)
+        else:
+            self.state_proj = nn.Linear(proprio_dim, width)
+            self.action_time_mlp_in = nn.Linear(2 * width, width)
+            self.action_time_mlp_out = nn.Linear(width, width)
         self.action_out_proj = nn.Linear(width, action_dim)
         nn.init.normal_(self.action_out_proj.weight, std=0.01)
         nn.init.zeros_(self.action_out_proj.bias)
 
-    def embed_suffix(self, x: Tensor, t: Tensor, state: Tensor) -> Tensor:
-        """The state token and the K action tokens (pi0's time runs from 1, noise, to 0)."""
+    def embed_suffix(self, x: Tensor, t: Tensor, state: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The suffix's tokens (pi0: the state's, then the K actions'; pi0.5: the actions') and
+        the norms' condition (pi0.5's time embedding; None for pi0). pi0's time runs from 1,
+        noise, to 0."""
         a = self.action_in_proj(x)
-        temb = time_embedding(1.0 - t, a.shape[-1]).to(a.dtype)[:, None].expand_as(a)
-        a = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, temb], dim=-1))))
-        return torch.cat([self.state_proj(state).to(a.dtype)[:, None], a], dim=1)
+        temb = time_embedding(1.0 - t, a.shape[-1]).to(a.dtype)
+        if self.adaptive:
+            return a, F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
+        a = self.action_time_mlp_out(F.silu(self.action_time_mlp_in(torch.cat([a, temb[:, None].expand_as(a)], -1))))
+        return torch.cat([self.state_proj(state).to(a.dtype)[:, None], a], dim=1), None
 
-    def velocity(self, out: Tensor) -> Tensor:
-        """The action tokens' outputs -> the velocity in dvla's time (pi0's, negated)."""
-        return -self.action_out_proj(self.norm(out[:, 1:])).float()
+    def velocity(self, out: Tensor, k: int, cond: Tensor | None = None) -> Tensor:
+        """The last ``k`` tokens' outputs (the actions') -> the velocity in dvla's time (pi0's, negated)."""
+        return -self.action_out_proj(norm(self.norm, out[:, -k:], cond)).float()
 
-    @staticmethod
-    def suffix_blocks(k: int, device) -> Tensor:
-        return torch.tensor([1] + [2] * k, device=device)
+    def suffix_blocks(self, k: int, device) -> Tensor:
+        """pi0: the state token its own block, the actions the next; pi0.5: the actions one block."""
+        return torch.tensor([1] * k if self.adaptive else [1] + [2] * k, device=device)
 
     def forward(self, x: Tensor, t: Tensor, cache: PrefixCache) -> Tensor:
-        h = self.embed_suffix(x, t, cache.state)
+        h, cond = self.embed_suffix(x, t, cache.state)
         b, s, L = h.shape[0], h.shape[1], cache.mask.shape[1]
         pos = cache.mask.sum(1, keepdim=True) + torch.arange(s, device=h.device)
         cos, sin = rope(pos, self.head_dim)
-        own = block_mask(torch.ones(b, s, dtype=torch.bool, device=h.device), self.suffix_blocks(s - 1, h.device))
+        own = block_mask(torch.ones(b, s, dtype=torch.bool, device=h.device), self.suffix_blocks(x.shape[1], h.device))
         mask = torch.cat([cache.mask[:, None, :].expand(b, s, L), own], dim=2)
         for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-            h, _, _ = layer(h, mask, cos, sin, past=(keys, values))
-        return self.velocity(h)
+            h, _, _ = layer(h, mask, cos, sin, past=(keys, values), cond=cond)
+        return self.velocity(h, x.shape[1], cond)
 
 
 # -- the policy --------------------------------------------------------------------------------------------------
@@ -251,6 +174,14 @@ class Pi0VLA(SiglipInput, VLAPolicy):
     class Config(VLMOptions):
         size: Literal["tiny", "3b"] = "tiny"
         """Named shapes (see the module docstring)."""
+        version: Literal["pi0", "pi05"] = "pi0"
+        """``pi05``: pi0.5's expert (adaptive RMS norms conditioned on the flow time, no state
+        token) and its prompt, which carries the state as 256-bin tokens (see ``prompt``)."""
+        prompt_tokens: int = 200
+        """pi0.5: the prompt's length in tokens (LeRobot's and openpi's ``tokenizer_max_length``)."""
+        instruction_bytes: int = 256
+        """pi0.5: the longest instruction, in UTF-8 bytes (they travel with the episode, and the
+        prompt is made from them and the state at the model's input)."""
         vision: dict = field(default_factory=dict)
         """Overrides of the SiglipVisionConfig fields (e.g. ``image_size``)."""
         lm: dict = field(default_factory=dict)
@@ -269,9 +200,11 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         """The width the chunk is denoised in (pi0: 32, the robot's dims first, zeros after; the
         padded dims feed back into the real ones and are cut at the end). None: the
         checkpoint's (``pretrained_path``), else the env's action dim (no padding)."""
-        prompt: str = "{instruction}\n"
-        """How an instruction becomes the prompt (pi0's: the task and a newline; the tokenizer
-        adds its own BOS)."""
+        prompt: str | None = None
+        """How an instruction becomes the prompt (the tokenizer adds its own BOS). None: pi0's
+        ``"{instruction}\n"``, or pi0.5's ``"Task: {instruction}, State: {state};\nAction: "``
+        (``{state}``: the normalised state, zero-padded to ``pad_state_dim``, in 256 bins of
+        [-1, 1], as ``np.digitize`` puts it; the instruction stripped, ``_`` and newlines spaces)."""
         image_resize: Literal["pad", "stretch"] = "pad"
         """Cameras to the tower's side: ``pad`` keeps the aspect ratio (pi0's resize_with_pad)."""
         image_pad_value: float | None = None
@@ -294,8 +227,13 @@ class Pi0VLA(SiglipInput, VLAPolicy):
                 errs.append(("flow_steps", f"must be >= 1, got {self.flow_steps}"))
             if self.norm_stats is not None and not Path(self.norm_stats).is_file():
                 errs.append(("norm_stats", f"no such file: {self.norm_stats!r}"))
-            if "{instruction}" not in self.prompt:
+            if self.prompt is not None and "{instruction}" not in self.prompt:
                 errs.append(("prompt", f"needs {{instruction}}, got {self.prompt!r}"))
+            if self.prompt is not None and "{state}" in self.prompt and self.version != "pi05":
+                errs.append(("prompt", "{state} is pi0.5's (version=pi05)"))
+            for name in ("prompt_tokens", "instruction_bytes"):
+                if getattr(self, name) < 1:
+                    errs.append((name, f"must be >= 1, got {getattr(self, name)}"))
             if self.image_resize not in ("pad", "stretch"):
                 errs.append(("image_resize", f"`pad` or `stretch`, got {self.image_resize!r}"))
             for name in ("pad_action_dim", "pad_state_dim"):
@@ -315,8 +253,16 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         tf = _transformers()
         ckpt = Path(config.pretrained_path) if config.pretrained_path else None
         self.cameras_used = cameras_used(spec, config)
-        self.tokenizer = Prompted(make_tokenizer(config, ckpt if ckpt is None or ckpt.is_dir() else ckpt.parent),
-                                  config.prompt)
+        root = ckpt if ckpt is None or ckpt.is_dir() else ckpt.parent
+        self.version = config.version
+        if config.version == "pi05":  # the instruction travels as its bytes; the prompt is made at the input
+            self.prompt = config.prompt or PI05_PROMPT
+            self.tokenizer = ByteTokenizer(config.instruction_bytes)
+            self.prompt_tokenizer = make_tokenizer(dataclasses.replace(config, max_tokens=config.prompt_tokens), root)
+            self.prompt_tokenizer.caching = False
+        else:
+            self.prompt = config.prompt or PI0_PROMPT
+            self.tokenizer = Prompted(make_tokenizer(config, root), self.prompt)
         lm = {**SIZES[config.size]["lm"], **config.lm}
         ex = {**SIZES[config.size]["expert"], **config.expert}
         if lm["heads"] % lm["kv_heads"] or ex["heads"] % lm["kv_heads"]:
@@ -331,11 +277,11 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         self.image_pad_value = config.image_pad_value if config.image_pad_value is not None \
             else -3.0 if lerobot else -1.0
         self.projector = nn.Linear(self.vision.config.hidden_size, lm["width"])
-        vocab = max(self.tokenizer.vocab_size, lm["vocab_size"])
+        vocab = max(getattr(self, "prompt_tokenizer", self.tokenizer).vocab_size, lm["vocab_size"])
         self.lm = GemmaLM(vocab, lm["width"], lm["mlp"], lm["layers"], lm["heads"], lm["kv_heads"], lm["head_dim"])
         self.state_width, action_width = self._padded_dims(spec, config, ckpt)
         expert = Pi0Expert(lm["layers"], ex["width"], ex["mlp"], ex["heads"], lm["kv_heads"], lm["head_dim"],
-                           self.state_width, action_width)
+                           self.state_width, action_width, adaptive=config.version == "pi05")
         self.action_head = FlowMatchingHead(expert, spec.action_chunk, spec.action_dim, steps=config.flow_steps,
                                             init_log_sigma=config.init_log_sigma, pad_to=action_width)
         self.value_mlp = nn.Sequential(nn.Linear(lm["width"], lm["width"]), nn.Tanh(), nn.Linear(lm["width"], 1)) \
@@ -363,11 +309,27 @@ class Pi0VLA(SiglipInput, VLAPolicy):
 
             found = padded_dims(ckpt)
         state = config.pad_state_dim or found.get("state", spec.proprio_dim)
+        if config.version == "pi05" and config.pad_state_dim is None and ckpt is not None:
+            state = _lerobot_config(ckpt).get("max_state_dim", 32)  # pi0.5 has no state_proj to read it from
         action = config.pad_action_dim or found.get("action", spec.action_dim)
         for what, width, dim in (("state", state, spec.proprio_dim), ("action", action, spec.action_dim)):
             if width < dim:
                 raise ValueError(f"pi0_vla: the {what} is padded to {width} dims, fewer than the env's {dim}")
         return state, action
+
+    def preprocess(self, obs: Observation) -> Observation:
+        """The cameras as pi0's reference resizes them; for pi0.5, the prompt too, from the
+        instruction's bytes and the (normalised) state."""
+        obs = super().preprocess(obs)
+        if self.version != "pi05":
+            return obs
+        texts = ByteTokenizer.decode(obs.instruction_ids, obs.instruction_mask)
+        bins = np.digitize(self.padded_state(obs.proprio).cpu().numpy(), bins=np.linspace(-1, 1, 256 + 1)[:-1]) - 1
+        prompts = [self.prompt.replace("{instruction}", t.strip().replace("_", " ").replace("\n", " "))
+                   .replace("{state}", " ".join(map(str, row))) for t, row in zip(texts, bins)]
+        ids, mask = self.prompt_tokenizer.encode_batch(prompts)
+        return dataclasses.replace(obs, instruction_ids=ids.to(obs.proprio.device),
+                                   instruction_mask=mask.to(obs.proprio.device))
 
     def padded_state(self, proprio: Tensor) -> Tensor:
         """The state zero-padded to the expert's width (pi0's ``pad_vector``)."""
@@ -433,18 +395,18 @@ class Pi0VLA(SiglipInput, VLAPolicy):
         (it uses a prefix layer and an expert layer together, so it is no FSDP path). Returns
         the velocity and each layer's prefix keys."""
         hp, pmask = self.embed_prefix(obs)
-        hs = self.expert.embed_suffix(x, t, self.padded_state(obs.proprio))
-        L, s = hp.shape[1], hs.shape[1]
+        hs, cond = self.expert.embed_suffix(x, t, self.padded_state(obs.proprio))
+        L = hp.shape[1]
         pad = torch.cat([pmask, torch.ones(hs.shape[:2], dtype=torch.bool, device=hs.device)], dim=1)
         blocks = torch.cat([torch.zeros(L, dtype=torch.long, device=pad.device),
-                            Pi0Expert.suffix_blocks(s - 1, pad.device)])
+                            self.expert.suffix_blocks(x.shape[1], pad.device)])
         mask = block_mask(pad, blocks)
         cos, sin = rope(pad.long().cumsum(1) - 1, self.expert.head_dim)
         keys = []
         for pl, el in zip(self.lm.layers, self.expert.layers):
             qp, kp, vp = pl.qkv(hp, cos[:, :, :L], sin[:, :, :L])
-            qs, ks, vs = el.qkv(hs, cos[:, :, L:], sin[:, :, L:])
+            qs, ks, vs = el.qkv(hs, cos[:, :, L:], sin[:, :, L:], cond)
             k, v = torch.cat([kp, ks.to(kp.dtype)], 2), torch.cat([vp, vs.to(vp.dtype)], 2)
-            hp, hs = pl.finish(hp, attend(qp, k, v, mask[:, :L])), el.finish(hs, attend(qs, k, v, mask[:, L:]))
+            hp, hs = pl.finish(hp, attend(qp, k, v, mask[:, :L])), el.finish(hs, attend(qs, k, v, mask[:, L:]), cond)
             keys.append(kp)
-        return self.expert.velocity(hs), keys
+        return self.expert.velocity(hs, x.shape[1], cond), keys

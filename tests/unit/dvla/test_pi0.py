@@ -121,7 +121,7 @@ def test_the_prefix_cache_and_the_block_causal_mask():
     from dvla.models.pi0_vla import Pi0Expert, block_mask
 
     pad = torch.tensor([[True, True, False, True, True, True]])
-    blocks = torch.cat([torch.zeros(3, dtype=torch.long), Pi0Expert.suffix_blocks(2, "cpu")])
+    blocks = torch.cat([torch.zeros(3, dtype=torch.long), torch.tensor([1, 2, 2])])
     want = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0],  # prefix (a pad sees itself)
                          [1, 1, 0, 1, 0, 0],  # the state: the prefix and itself
                          [1, 1, 0, 1, 1, 1], [1, 1, 0, 1, 1, 1]], dtype=torch.bool)  # actions: everything
@@ -278,6 +278,14 @@ def test_dvla_plan_counts_the_pi0_shape():
         policy = build_policy("pi0_vla", PolicySpec((3, 224, 224), 8, 7, 50), {"size": "3b"})
     expert = sum(p.numel() for p in policy.expert.parameters())
     assert 0.28e9 < expert < 0.33e9 and len(policy.shard_units()) == 27 + 18 + 18
+    # pi0.5: adaptive norms (a 1024 -> 3072 dense layer each) and time_mlp instead of state_proj
+    # and action_time_mlp; LeRobot's full pi05 holds 3.62B with the expert's unused 263M-parameter
+    # language head, which pi0_vla does not build.
+    count = int(policy_params(["--params", "pi0_vla:size=3b,version=pi05"])[-1])
+    assert 3.3e9 < count < 3.4e9, count
+    with torch.device("meta"):
+        pi05 = build_policy("pi0_vla", PolicySpec((3, 224, 224), 8, 7, 50), {"size": "3b", "version": "pi05"})
+    assert len(pi05.shard_units()) == 27 + 18 + 18 and not hasattr(pi05.expert, "state_proj")
 
 
 # -- a plugin: a transformer expert reading a KV cache, passed to the flow head as it is ----------------------

@@ -11,18 +11,17 @@ import pytest
 import torch
 
 from dvla.policy import build_policy
-from tests.unit.dvla.test_pi0_reference import FIXTURE, _options
+from tests.unit.dvla.test_pi0_reference import FIXTURE, FIXTURES, VERSIONS, _options
 
 pytest.importorskip("transformers")
 
 
-def _trained(**more):
+def _trained(version: str = "pi0", **more):
     """The fixture's policy with every parameter moved, as RL would."""
-    from tests.unit.dvla.test_pi0_reference import ref as _  # noqa: F401  (the same spec)
     from dvla.policy import PolicySpec
 
     spec = PolicySpec((3, 48, 64), 8, 7, 10, cameras=(("left_wrist_0_rgb", (3, 48, 64)),))
-    policy = build_policy("pi0_vla", spec, _options(**more))
+    policy = build_policy("pi0_vla", spec, _options(version, **more))
     with torch.no_grad():
         g = torch.Generator().manual_seed(5)
         for p in policy.parameters():
@@ -30,21 +29,21 @@ def _trained(**more):
     return policy
 
 
-def test_a_lerobot_export_has_lerobots_keys_and_loads_back_to_the_same_tensors(tmp_path):
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_a_lerobot_export_has_lerobots_keys_and_loads_back_to_the_same_tensors(tmp_path, version):
     from safetensors import safe_open
 
     from dvla.models.pi0_export import export_pi0
 
-    policy = _trained()
-    written = export_pi0(policy, tmp_path / "out", "lerobot", FIXTURE, policy.normalizer)
+    policy, source = _trained(version), FIXTURES / version
+    written = export_pi0(policy, tmp_path / "out", "lerobot", source, policy.normalizer)
     assert {"model.safetensors", "config.json", "policy_preprocessor.json", "policy_postprocessor.json",
             "tokenizer/"} <= set(written)
     shapes = lambda f: {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: E731
-    with safe_open(str(FIXTURE / "model.safetensors"), "pt") as theirs, \
+    with safe_open(str(source / "model.safetensors"), "pt") as theirs, \
             safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as ours:
         assert shapes(ours) == shapes(theirs)  # LeRobot's names and shapes, key for key
-    again = build_policy("pi0_vla", policy.spec, _options(pretrained_path=str(tmp_path / "out"),
-                                                          tokenizer=str(FIXTURE / "tokenizer" / "tokenizer.json")))
+    again = build_policy("pi0_vla", policy.spec, _options(version, pretrained_path=str(tmp_path / "out")))
     for name, value in policy.state_dict().items():
         if name != "action_head.log_sigma":  # dvla's own: pi0 has no chain noise
             assert torch.equal(again.state_dict()[name], value), name

@@ -1,9 +1,10 @@
-"""pi0_vla against LeRobot 0.4.4's own pi0, stage by stage (tests/fixtures/pi0, made by
-bench/pi0_reference.py in a throwaway venv with LeRobot's code; its README lists each tensor
-and the function that produced it): the checkpoint as ``PI0Policy.save_pretrained`` wrote it,
-its processor files' statistics, its tokenizer and prompt, the cameras' resize with padding,
-the vision tower, the prefix and its keys and values, the expert's velocity, the sampled chunk
-for given noise, and the full-size key set on the meta device."""
+"""pi0_vla against LeRobot 0.4.4's own pi0 and pi0.5, stage by stage (tests/fixtures/pi0 and
+pi05, made by bench/pi0_reference.py and bench/pi05_reference.py in a throwaway venv with
+LeRobot's code; their READMEs list each tensor and the function that produced it): the
+checkpoint as ``save_pretrained`` wrote it, its processor files' statistics, its tokenizer and
+prompt (pi0.5's with the state's bins), the cameras' resize with padding, the vision tower,
+the prefix and its keys and values, pi0.5's time conditioning, the expert's velocity, the
+sampled chunk for given noise, and the full-size key sets on the meta device."""
 
 from __future__ import annotations
 
@@ -19,37 +20,41 @@ from dvla.types import Observation
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-FIXTURE = Path(__file__).resolve().parents[2] / "fixtures" / "pi0"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
+FIXTURE = FIXTURES / "pi0"
 ATOL = 1e-5  # float32 rounding: the stages agree to about 1e-6
+VERSIONS = {"pi0": {"max_tokens": 48}, "pi05": {"version": "pi05", "prompt_tokens": 200}}
 
 
-def _options(**more) -> dict:
-    arch = json.loads((FIXTURE / "tiny_arch.json").read_text())
+def _options(version: str = "pi0", **more) -> dict:
+    fixture = FIXTURES / version
+    arch = json.loads((fixture / "tiny_arch.json").read_text())
     pg, ex = arch["paligemma"], arch["action_expert"]
     assert pg["depth"] == ex["depth"] and pg["head_dim"] == ex["head_dim"]
     return {"vision": {k: v for k, v in arch["siglip"].items() if k != "projection_dim"},
             "lm": dict(width=pg["width"], mlp=pg["mlp_dim"], layers=pg["depth"], heads=pg["num_heads"],
                        kv_heads=pg["num_kv_heads"], head_dim=pg["head_dim"], vocab_size=arch["vocab_size"]),
             "expert": dict(width=ex["width"], mlp=ex["mlp_dim"], heads=ex["num_heads"]),
-            "max_tokens": 48, "tokenizer": str(FIXTURE / "tokenizer" / "tokenizer.json"),
-            "pretrained_path": str(FIXTURE), "flow_steps": 10, **more}
+            "tokenizer": str(fixture / "tokenizer" / "tokenizer.json"), "pretrained_path": str(fixture),
+            "flow_steps": 10, **VERSIONS[version], **more}
 
 
-@pytest.fixture(scope="module")
-def ref():
+@pytest.fixture(scope="module", params=list(VERSIONS))
+def ref(request):
     from safetensors.torch import load_file
 
-    stages = load_file(str(FIXTURE / "stages.safetensors"))
-    prompts = json.loads((FIXTURE / "prompts.json").read_text())
+    version = request.param
+    stages = load_file(str(FIXTURES / version / "stages.safetensors"))
+    prompts = json.loads((FIXTURES / version / "prompts.json").read_text())
     main, wrist = prompts["cameras"]
     frames = {c: stages[f"raw_image.{c}"].permute(0, 3, 1, 2).contiguous() for c in (main, wrist)}
     spec = PolicySpec(tuple(frames[main].shape[1:]), stages["raw_state"].shape[1], stages["chunk"].shape[2],
                       stages["chunk"].shape[1], cameras=((wrist, tuple(frames[wrist].shape[1:])),))
-    policy = build_policy("pi0_vla", spec, _options()).eval()
+    policy = build_policy("pi0_vla", spec, _options(version)).eval()
     # What an env hands the policy: raw uint8 frames, the raw state, the task strings.
     obs = Observation(image=frames[main], proprio=stages["raw_state"], instruction=prompts["task"],
                       cameras={wrist: frames[wrist]})
-    return policy, obs, stages, (main, wrist)
+    return policy, obs, stages, (main, wrist), version
 
 
 def _close(got, want, what, atol=ATOL):
@@ -59,24 +64,25 @@ def _close(got, want, what, atol=ATOL):
 
 
 def test_the_observation_is_preprocessed_as_lerobot_does(ref):
-    """Tokens of ``task + "\\n"`` with BOS, right-padded to 48; each camera resized with padding
-    (48x64 -> 24x32 between bands of LeRobot's -3.0) and scaled to [-1, 1]; the state normalised
-    with the checkpoint's statistics and zero-padded to 32."""
-    policy, obs, st, (main, wrist) = ref
-    prepared = policy.prepare(obs)
-    assert torch.equal(prepared.instruction_ids, st["lang_tokens"])
-    assert torch.equal(prepared.instruction_mask, st["lang_masks"])
-    pre = policy.preprocess(prepared)
+    """pi0: tokens of ``task + "\\n"`` with BOS, right-padded to 48; pi0.5: of ``Task: ...,
+    State: <32 bins>;\\nAction: ``, to 200. Each camera resized with padding (48x64 -> 24x32
+    between bands of LeRobot's -3.0) and scaled to [-1, 1]; the state normalised with the
+    checkpoint's statistics (pi0: mean and std; pi0.5: quantiles) and zero-padded to 32."""
+    policy, obs, st, (main, wrist), version = ref
+    pre = policy.model_inputs(obs)
+    assert torch.equal(pre.instruction_ids, st["lang_tokens"])
+    assert torch.equal(pre.instruction_mask, st["lang_masks"])
     for name, cam in (("image", main), (wrist, wrist)):
         _close(pre.images[name], st[f"pre_image.{cam}"], f"image {cam}")
     _close(policy.normalizer.proprio(obs.proprio), st["norm_state"], "normalised state")
-    _close(policy.padded_state(st["norm_state"]), st["padded_state"], "padded state", 0.0)
+    padded = st["padded_state"] if version == "pi0" else st["prompt_state"]
+    _close(policy.padded_state(st["norm_state"]), padded, "padded state", 0.0)
 
 
 def test_vision_prefix_and_its_keys_and_values_are_lerobots(ref):
     """The padded prefix tokens are masked out of everything (the reference's rows for them
     differ and are never read): keys and values are compared on the valid tokens."""
-    policy, _, st, cams = ref
+    policy, _, st, cams, version = ref
     obs = policy.model_inputs(ref[1])
     with torch.no_grad():
         for name, cam in zip(("image", cams[1]), cams):
@@ -95,13 +101,16 @@ def test_vision_prefix_and_its_keys_and_values_are_lerobots(ref):
             _close(v * valid, st[f"prefix_v.{i}"] * valid, f"layer {i} values")
         # The expert's velocity at given noisy actions and pi0 times (dvla's clock: 1 - t,
         # its velocity the negative of pi0's).
+        if version == "pi05":  # the flow time's embedding through time_mlp, the norms' condition
+            _close(policy.expert.embed_suffix(st["x_t"], 1.0 - st["t"], cache.state)[1], st["adarms_cond"],
+                   "adaRMS condition")
         _close(policy.expert(st["x_t"], 1.0 - st["t"], cache), -st["velocity"], "velocity")
 
 
 def test_the_chunk_for_given_noise_is_lerobots(ref):
     """``sample_actions(noise=)``: ten Euler steps of all 32 padded dims; the robot's 7 are
     the action, the rest its ``chain_pad``; un-normalised with the postprocessor's statistics."""
-    policy, obs, st, _ = ref
+    policy, obs, st, _, _ = ref
     with torch.no_grad():
         dist = policy(policy.model_inputs(obs)).dist
         draw = dist.draw(deterministic=True, start=st["noise"])
@@ -115,28 +124,30 @@ def test_the_chunk_for_given_noise_is_lerobots(ref):
     assert torch.allclose(scored, draw.log_prob, atol=1e-3)
 
 
-def test_the_full_size_lerobot_key_set_converts(ref):
-    """Every key of LeRobot's full-size pi0 (gemma_2b, gemma_300m, SigLIP-So400m at 224 px),
-    listed by the reference on the meta device, finds its parameter in the 3b shape, padded
-    to 32 state and action dims."""
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_the_full_size_lerobot_key_set_converts(version):
+    """Every key of LeRobot's full-size pi0 and pi0.5 (gemma_2b, gemma_300m, SigLIP-So400m at
+    224 px), listed by the reference on the meta device, finds its parameter in the 3b shape,
+    padded to 32 state and action dims."""
     from dvla.models.pi0_convert import convert_state_dict
 
-    listed = json.loads((FIXTURE / "full_keys.json").read_text())["keys"]
+    listed = json.loads((FIXTURES / version / "full_keys.json").read_text())["keys"]
     tensors = {k: torch.empty(shape, device="meta") for k, shape in listed}
     with torch.device("meta"):
         policy = build_policy("pi0_vla", PolicySpec((3, 224, 224), 8, 7, 50),
-                              {"size": "3b", "pad_state_dim": 32, "pad_action_dim": 32})
+                              {"size": "3b", "pad_state_dim": 32, "pad_action_dim": 32, "version": version})
     out = convert_state_dict(tensors, policy)
     own = {k for k in policy.state_dict() if not k.startswith(("action_head.log_sigma", "value_mlp."))}
     assert set(out) == own and len(own) > 400
 
 
-def test_statistics_that_do_not_fit_the_env_are_one_line(ref, tmp_path):
+def test_statistics_that_do_not_fit_the_env_are_one_line(tmp_path):
     from dvla.models.reference_stats import StatsError
 
-    policy = ref[0]
+    cameras = (("left_wrist_0_rgb", (3, 48, 64)),)
+    policy = build_policy("pi0_vla", PolicySpec((3, 48, 64), 8, 7, 10, cameras=cameras), _options())
     with pytest.raises(StatsError) as err:
-        build_policy("pi0_vla", PolicySpec((3, 48, 64), 6, 7, 10, cameras=policy.spec.cameras), _options())
+        build_policy("pi0_vla", PolicySpec((3, 48, 64), 6, 7, 10, cameras=cameras), _options())
     assert "\n" not in str(err.value) and "state statistics have 8 dimensions, the env's state has 6" in str(err.value)
     # openpi's norm_stats.json, named: z-scores with its 1e-6, or quantile bounds.
     stats = {"norm_stats": {"state": {"mean": [0.5] * 8, "std": [2.0] * 8, "q01": [-1.0] * 8, "q99": [3.0] * 8},

@@ -27,6 +27,7 @@ CASES = [(name, {}) for name in sorted(POLICY_REGISTRY)] + [
     ("tiny_vla", {"n_bins": 7, "hidden_dim": 16}),
     ("tiny_vla", {"head": "flow", "flow_steps": 3, "hidden_dim": 16}),
     ("token_vla", {"decoding": "parallel", "n_bins": 16, "value_head": True}),
+    ("pi0_vla", {"version": "pi05", "vision": {"image_size": 16}, "pad_state_dim": 8, "pad_action_dim": 4}),
 ]
 
 
