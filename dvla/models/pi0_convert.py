@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from dvla.config import ConfigError
+
 _ROOT = "paligemma_with_expert."
 _EXPERT = "action_head.velocity_model."
 _RENAMES = (  # (checkpoint prefix after the root, model prefix); first match wins
@@ -49,8 +51,8 @@ _TIED = ("paligemma.lm_head.weight", "paligemma.language_model.lm_head.weight")
 _OWN = ("action_head.log_sigma", "value_mlp.")
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(ConfigError):
+    """A checkpoint that does not fit: a mistake in what the run was given (one line)."""
 
 
 def checkpoint_file(path: str | Path) -> Path:

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from dvla.config import ConfigError
+
 from dvla.models.pi0_convert import _EXPERT, _OWN, _ROOT
 
 FORMATS = ("lerobot", "openpi")
@@ -46,8 +48,8 @@ _COPIED = ("config.json", "policy_preprocessor.json", "policy_postprocessor.json
            "tokenizer_config.json", "special_tokens_map.json")
 
 
-class ExportError(ValueError):
-    pass
+class ExportError(ConfigError):
+    """What a run cannot be exported as (one line)."""
 
 
 def merged_state_dict(policy: nn.Module) -> dict[str, Tensor]:

@@ -27,14 +27,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dvla.config import ConfigError
+
 from dvla.normalize import Normalizer
 
 _BOUNDS = {"MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"), "QUANTILE10": ("q10", "q90")}
 OPENPI_EPS = 1e-6
 
 
-class StatsError(ValueError):
-    pass
+class StatsError(ConfigError):
+    """Statistics that cannot be read or do not fit the env (one line)."""
 
 
 def _affine(mode: str, stats: dict[str, Tensor], eps: float, what: str) -> tuple[Tensor, Tensor, Tensor] | None:

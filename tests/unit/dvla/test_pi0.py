@@ -46,7 +46,8 @@ def test_pi0_vla_learns_fast_reach(tmp_path, capsys):
     cfg = apply_overrides(fast_reach(), [
         "policy.name=pi0_vla", "policy.options={}", 'policy.options.vision={"image_size": 16, "num_hidden_layers": 1}',
         'policy.options.lm={"layers": 1}', "policy.options.flow_steps=4", "policy.options.max_tokens=8",
-        "policy.options.init_log_sigma=-0.5", "env.image_size=16", "env.n_envs=32", "algo.lr=2e-3",
+        "policy.options.init_log_sigma=-0.5", "policy.options.pad_action_dim=4", "policy.options.pad_state_dim=4",
+        "env.image_size=16", "env.n_envs=32", "algo.lr=2e-3",
         "swimlane.mode=sync", "swimlane.driver=serial", "run.iterations=18", "run.progress=false",
         f"run.out_dir={tmp_path}"])
     lanes = Swimlane(cfg)

@@ -157,3 +157,17 @@ def test_statistics_that_do_not_fit_the_env_are_one_line(tmp_path):
     assert torch.allclose(z.normalizer.proprio(torch.full((1, 8), 2.5)), torch.full((1, 8), 2.0 / (2.0 + 1e-6)))
     with pytest.raises(StatsError, match=r"state needs \['q01', 'q99'\]|actions needs \['q01', 'q99'\]"):
         build_policy("pi0_vla", policy.spec, _options(norm_stats=str(tmp_path / "norm_stats.json"), quantile_norm=True))
+
+
+def test_the_launcher_says_in_one_line_that_the_checkpoints_statistics_do_not_fit_the_env(tmp_path):
+    """The fast_reach preset's state has 4 dims (privileged); the checkpoint's statistics have 8."""
+    import subprocess
+    import sys
+
+    options = json.dumps(_options(max_tokens=48))
+    proc = subprocess.run([sys.executable, "-m", "dvla.launch", "--preset", "fast_reach", "policy.name=pi0_vla",
+                           f"policy.options={options}", "run.iterations=1", f"run.out_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "state statistics have 8 dimensions, the env's state has 4" in lines[-1], lines
