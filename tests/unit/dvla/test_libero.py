@@ -302,3 +302,49 @@ def test_the_transformer_vla_preset_reads_both_cameras(tmp_path):
     policy = build_policy(cfg.policy.name, PolicySpec.for_env(env_spec(cfg.env), cfg.policy.action_chunk),
                           cfg.policy.options)
     assert list(policy.cameras_used) == ["wrist"]  # besides the main (agent-view) image
+
+
+@pytest.mark.slow
+def test_a_lerobot_pi0_checkpoint_trains_evaluates_and_exports_with_its_own_statistics(tmp_path, capsys):
+    """pi0 as LeRobot wrote it (tests/fixtures/pi0: state 8, actions 7, two cameras, chunks of
+    10) on LIBERO's agent-view and wrist cameras: one GRPO update acts and learns with the
+    checkpoint's statistics (the run records them), ``dvla eval`` scores the run with them, and
+    ``dvla export --format lerobot`` writes it back under LeRobot's names with its processors."""
+    from safetensors import safe_open
+
+    from dvla.app.cli import main as cli
+    from dvla.config import presets
+    from dvla.models.pi0_export import checkpoint_key
+    from dvla.models.reference_stats import lerobot_normalizer
+    from dvla.normalize import Normalizer
+    from dvla.state.init_weights import read_weights
+    from swimlane import Swimlane
+    from tests.unit.dvla.test_pi0_reference import FIXTURE, _options
+
+    cfg = presets.libero_spatial()
+    cfg.env = dataclasses.replace(cfg.env, n_envs=2, episode_len=2, image_size=32, render=True,
+                                  options={**cfg.env.options, "workers": 0, "wrist_size": 24, "settle_steps": 1,
+                                           "task_ids": [1]})
+    cfg.policy = dataclasses.replace(cfg.policy, name="pi0_vla", action_chunk=10,
+                                     options=_options(max_tokens=48, flow_steps=4))
+    cfg.algo.group_size = 2
+    cfg.run = dataclasses.replace(cfg.run, iterations=1, out_dir=str(tmp_path / "run"), progress=False, save_every=1)
+    cfg.swimlane.mode = "sync"
+    summary = Swimlane(cfg).run()
+    assert summary["error"] is None and summary["version"] == 1
+    theirs = lerobot_normalizer(FIXTURE)
+    assert Normalizer.from_json((tmp_path / "run" / "normalization.json").read_text()).digest() == theirs.digest()
+    assert cli(["eval", str(tmp_path / "run"), "--suite", "libero_spatial", "--tasks", "1", "--episodes", "1",
+                "--n-envs", "1"]) == 0
+    assert json.loads((tmp_path / "run" / "eval_libero_spatial.json").read_text())["tasks"]["1"]["episodes"] == 1
+    assert cli(["export", str(tmp_path / "run"), "--format", "lerobot", "--out", str(tmp_path / "out")]) == 0
+    with safe_open(str(FIXTURE / "model.safetensors"), "pt") as a, \
+            safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as b:
+        assert {k: a.get_slice(k).get_shape() for k in a.keys()} == {k: b.get_slice(k).get_shape() for k in b.keys()}
+        exported = {k: b.get_tensor(k) for k in b.keys()}
+    stored = read_weights(tmp_path / "run")  # the run's newest weights, under pi0's names
+    assert stored.version == 1
+    for name, value in stored.tensors.items():
+        key = checkpoint_key(name)
+        assert key is None or torch.equal(exported["model." + key], value.float()), name
+    assert (tmp_path / "out" / "policy_postprocessor.json").is_file() and "exported" in capsys.readouterr().out
