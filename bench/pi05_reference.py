@@ -45,31 +45,9 @@ TOKENIZER_MAX_LENGTH = 200  # PI05Config.tokenizer_max_length default (openpi: 2
 
 def install_tiny_overrides():
     """pi0_reference.install_tiny_overrides, aimed at modeling_pi05 instead of modeling_pi0."""
-    from lerobot.policies.pi05 import modeling_pi05 as m
+    from lerobot.policies.pi05 import modeling_pi05
 
-    orig_get = m.get_gemma_config
-    orig_pali, orig_gemma = m.PaliGemmaForConditionalGeneration, m.GemmaForCausalLM
-
-    def get_gemma_config(variant):
-        orig_get(variant)  # keep LeRobot's validation
-        return m.GemmaConfig(**TINY["paligemma" if variant == "gemma_2b" else "action_expert"])
-
-    def pali(config):
-        config._vocab_size = VOCAB
-        config.image_token_index = VOCAB
-        config.text_config.vocab_size = VOCAB
-        for k, v in TINY["siglip"].items():
-            setattr(config.vision_config, k, v)
-        config.text_config.num_image_tokens = (32 // 8) ** 2
-        return orig_pali(config=config)
-
-    def gemma(config):
-        config.vocab_size = VOCAB
-        return orig_gemma(config=config)
-
-    m.get_gemma_config, m.PaliGemmaForConditionalGeneration, m.GemmaForCausalLM = get_gemma_config, pali, gemma
-    return lambda: setattr(m, "get_gemma_config", orig_get) or setattr(
-        m, "PaliGemmaForConditionalGeneration", orig_pali) or setattr(m, "GemmaForCausalLM", orig_gemma)
+    return p0.install_tiny_overrides(modeling_pi05)
 
 
 def full_keys(out: Path):
@@ -112,38 +90,19 @@ def build(out: Path):
 
 
 def _build(out: Path):
-    import lerobot
     import numpy as np
     import torch
-    import transformers
     from lerobot.envs.utils import preprocess_observation
     from lerobot.policies.pi05 import PI05Config, PI05Policy
     from lerobot.policies.pi05 import modeling_pi05 as m
     from lerobot.policies.pi05.processor_pi05 import make_pi05_pre_post_processors
-    from lerobot.processor import tokenizer_processor
-    from safetensors.torch import save_file
 
-    torch.manual_seed(SEED)
-    np.random.seed(SEED)
-    torch.use_deterministic_algorithms(True)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in out.iterdir():
-        if f.is_file() and f.name != "README.md":
-            f.unlink()
-
+    p0.fresh_fixture(out)
     full_keys(out)
 
     tokenizer = p0.make_tokenizer()  # identical to the pi0 fixture's tokenizer
     tokenizer.save_pretrained(out / "tokenizer")
-    real_auto = tokenizer_processor.AutoTokenizer
-
-    class _Auto:
-        @staticmethod
-        def from_pretrained(name, *a, **k):
-            assert name == "google/paligemma-3b-pt-224", name
-            return tokenizer
-
-    tokenizer_processor.AutoTokenizer = _Auto
+    undo_tokenizer = p0.use_local_tokenizer(tokenizer)
 
     restore = install_tiny_overrides()
     inp, outf = p0.features()
@@ -244,37 +203,11 @@ def _build(out: Path):
 
     noise = torch.randn(2, cfg.chunk_size, cfg.max_action_dim, generator=gn)
     S["noise"] = noise
-    trace_t, trace_x, trace_v = [], [], []
-    real_step = model.denoise_step
-
-    def traced(prefix_pad_masks, past_key_values, x_t, timestep):
-        v = real_step(prefix_pad_masks, past_key_values, x_t, timestep)
-        trace_t.append(timestep.clone()), trace_x.append(x_t.clone()), trace_v.append(v.clone())
-        return v
-
-    model.denoise_step = traced
-    S["chunk_padded"] = model.sample_actions(images, img_masks, lang_tokens, lang_masks, noise=noise)
-    model.denoise_step = real_step
-    S["sample_t"] = torch.stack(trace_t)
-    S["sample_x_t"] = torch.stack(trace_x)
-    S["sample_v_t"] = torch.stack(trace_v)
-    S["chunk"] = policy.predict_action_chunk(batch, noise=noise)
-    assert torch.equal(S["chunk"], S["chunk_padded"][:, :, :ACTION_DIM])
-    S["chunk_unnorm"] = post(S["chunk"])
-
-    S = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in S.items()}
-    save_file(S, str(out / "stages.safetensors"),
-              metadata={"lerobot": lerobot.__version__, "transformers": transformers.__version__,
-                        "torch": torch.__version__})
-    (out / "prompts.json").write_text(json.dumps({
-        "task": PROMPTS, "full_prompt": full_prompts, "discrete_state": S["discrete_state"].tolist(),
-        "token_counts": [len(e) for e in enc], "tokenizer_max_length": TOKENIZER_MAX_LENGTH,
-        "cameras": CAMERAS}, indent=1) + "\n")
-    (out / "tiny_arch.json").write_text(json.dumps(TINY, indent=1) + "\n")
-
-    policy.save_pretrained(out)
-    pre.save_pretrained(out)
-    post.save_pretrained(out)
+    p0.sample_and_save(out, S, model, policy, batch, pre, post, noise,
+                       lambda: model.sample_actions(images, img_masks, lang_tokens, lang_masks, noise=noise), {
+                           "task": PROMPTS, "full_prompt": full_prompts, "discrete_state": S["discrete_state"].tolist(),
+                           "token_counts": [len(e) for e in enc], "tokenizer_max_length": TOKENIZER_MAX_LENGTH,
+                           "cameras": CAMERAS})
 
     # -- round trip: LeRobot's from_pretrained (same overrides) must reproduce the chunk
     torch.manual_seed(123)
@@ -288,7 +221,7 @@ def _build(out: Path):
     chunk2 = again.predict_action_chunk(batch, noise=noise)
     assert torch.equal(chunk2, S["chunk"]), (chunk2 - S["chunk"]).abs().max()
     restore()
-    tokenizer_processor.AutoTokenizer = real_auto
+    undo_tokenizer()
     for k, v in S.items():
         print(f"{k:28s} {str(v.dtype).replace('torch.', ''):8s} {list(v.shape)}")
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
@@ -301,7 +234,7 @@ def verify(out: Path):
     import torch
     from lerobot.envs.utils import preprocess_observation
     from lerobot.policies.pi05 import PI05Policy
-    from lerobot.processor import PolicyProcessorPipeline, tokenizer_processor
+    from lerobot.processor import PolicyProcessorPipeline
     from lerobot.processor.converters import (
         policy_action_to_transition,
         transition_to_policy_action,
@@ -311,14 +244,7 @@ def verify(out: Path):
 
     S = load_file(str(out / "stages.safetensors"))
     tok = PreTrainedTokenizerFast.from_pretrained(str(out / "tokenizer"))
-
-    class _Auto:
-        @staticmethod
-        def from_pretrained(name, *a, **k):
-            assert name == "google/paligemma-3b-pt-224", name
-            return tok
-
-    tokenizer_processor.AutoTokenizer = _Auto
+    p0.use_local_tokenizer(tok)
     install_tiny_overrides()
     pre = PolicyProcessorPipeline.from_pretrained(str(out), "policy_preprocessor.json", local_files_only=True)
     post = PolicyProcessorPipeline.from_pretrained(

@@ -156,9 +156,11 @@ def make_tokenizer():
                                    pad_token="<pad>", unk_token="<unk>")
 
 
-def install_tiny_overrides():
-    """Shrink what PaliGemmaWithExpertModel.__init__ builds, without touching LeRobot's files."""
-    from lerobot.policies.pi0 import modeling_pi0 as m
+def install_tiny_overrides(m=None):
+    """Shrink what PaliGemmaWithExpertModel.__init__ builds, without touching LeRobot's files
+    (``m``: the modeling module, pi0's by default; pi0.5's for bench/pi05_reference.py)."""
+    if m is None:
+        from lerobot.policies.pi0 import modeling_pi0 as m
 
     orig_get = m.get_gemma_config
     orig_pali, orig_gemma = m.PaliGemmaForConditionalGeneration, m.GemmaForCausalLM
@@ -212,25 +214,27 @@ def full_keys(out: Path):
     print(f"full_keys.json: {len(keys)} keys, {n} elements, {n_unique} unique params")
 
 
-def build(out: Path):
-    import torch
+def use_local_tokenizer(tokenizer):
+    """LeRobot's TokenizerProcessorStep loads "google/paligemma-3b-pt-224" through
+    AutoTokenizer.from_pretrained; hand it ``tokenizer`` instead (no hub). Returns the undo."""
+    from lerobot.processor import tokenizer_processor
 
-    with torch.no_grad():
-        _build(out)
+    real = tokenizer_processor.AutoTokenizer
+
+    class _Auto:
+        @staticmethod
+        def from_pretrained(name, *a, **k):
+            assert name == "google/paligemma-3b-pt-224", name
+            return tokenizer
+
+    tokenizer_processor.AutoTokenizer = _Auto
+    return lambda: setattr(tokenizer_processor, "AutoTokenizer", real)
 
 
-def _build(out: Path):
+def fresh_fixture(out: Path) -> None:
+    """Seeds, deterministic kernels, and ``out`` emptied of everything but its README."""
     import numpy as np
     import torch
-    import transformers
-    from safetensors.torch import save_file
-
-    import lerobot
-    from lerobot.envs.utils import preprocess_observation
-    from lerobot.policies.pi0 import PI0Config, PI0Policy
-    from lerobot.policies.pi0 import modeling_pi0 as m
-    from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
-    from lerobot.processor import tokenizer_processor
 
     torch.manual_seed(SEED)
     np.random.seed(SEED)
@@ -240,21 +244,71 @@ def _build(out: Path):
         if f.is_file() and f.name != "README.md":
             f.unlink()
 
+
+def sample_and_save(out: Path, S: dict, model, policy, batch, pre, post, noise, sample, prompts: dict) -> None:
+    """``sample()`` (the model's ``sample_actions(noise=)``) with each Euler step recorded (time,
+    input, velocity: ``denoise_step``'s ``timestep`` and ``x_t``), the policy's
+    7-dim and un-normalised chunks, then the fixture written: stages, prompts, sizes and the
+    reference's own ``save_pretrained`` of the policy and both processors."""
+    import lerobot
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    import inspect
+
+    trace, real_step = [], model.denoise_step
+    signature = inspect.signature(real_step)
+
+    def traced(*args, **kwargs):
+        v = real_step(*args, **kwargs)
+        named = signature.bind(*args, **kwargs).arguments
+        trace.append((named["timestep"].clone(), named["x_t"].clone(), v.clone()))
+        return v
+
+    model.denoise_step = traced
+    try:
+        S["chunk_padded"] = sample()
+    finally:
+        model.denoise_step = real_step
+    S["sample_t"], S["sample_x_t"], S["sample_v_t"] = (torch.stack(x) for x in zip(*trace))
+    S["chunk"] = policy.predict_action_chunk(batch, noise=noise)
+    assert torch.equal(S["chunk"], S["chunk_padded"][:, :, :ACTION_DIM])
+    S["chunk_unnorm"] = post(S["chunk"])
+    S.update({k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in S.items()})
+    save_file(S, str(out / "stages.safetensors"),
+              metadata={"lerobot": lerobot.__version__, "transformers": transformers.__version__,
+                        "torch": torch.__version__})
+    (out / "prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
+    (out / "tiny_arch.json").write_text(json.dumps(TINY, indent=1) + "\n")
+    policy.save_pretrained(out)
+    pre.save_pretrained(out)
+    post.save_pretrained(out)
+
+
+def build(out: Path):
+    import torch
+
+    with torch.no_grad():
+        _build(out)
+
+
+def _build(out: Path):
+    import torch
+
+    from lerobot.envs.utils import preprocess_observation
+    from lerobot.policies.pi0 import PI0Config, PI0Policy
+    from lerobot.policies.pi0 import modeling_pi0 as m
+    from lerobot.policies.pi0.processor_pi0 import make_pi0_pre_post_processors
+
+    fresh_fixture(out)
     full_keys(out)
 
     # -- tokenizer: LeRobot's TokenizerProcessorStep loads "google/paligemma-3b-pt-224" via
     #    AutoTokenizer.from_pretrained; hand it the local tokenizer instead (no hub).
     tokenizer = make_tokenizer()
     tokenizer.save_pretrained(out / "tokenizer")
-    real_auto = tokenizer_processor.AutoTokenizer
-
-    class _Auto:
-        @staticmethod
-        def from_pretrained(name, *a, **k):
-            assert name == "google/paligemma-3b-pt-224", name
-            return tokenizer
-
-    tokenizer_processor.AutoTokenizer = _Auto
+    undo_tokenizer = use_local_tokenizer(tokenizer)
 
     restore = install_tiny_overrides()
     inp, outf = features()
@@ -332,35 +386,9 @@ def _build(out: Path):
 
     noise = torch.randn(2, cfg.chunk_size, cfg.max_action_dim, generator=gn)
     S["noise"] = noise
-    trace_t, trace_x, trace_v = [], [], []
-    real_step = model.denoise_step
-
-    def traced(state, prefix_pad_masks, past_key_values, x_t, timestep):
-        v = real_step(state, prefix_pad_masks, past_key_values, x_t, timestep)
-        trace_t.append(timestep.clone()), trace_x.append(x_t.clone()), trace_v.append(v.clone())
-        return v
-
-    model.denoise_step = traced
-    S["chunk_padded"] = model.sample_actions(images, img_masks, lang_tokens, lang_masks, state, noise=noise)
-    model.denoise_step = real_step
-    S["sample_t"] = torch.stack(trace_t)
-    S["sample_x_t"] = torch.stack(trace_x)
-    S["sample_v_t"] = torch.stack(trace_v)
-    S["chunk"] = policy.predict_action_chunk(batch, noise=noise)
-    assert torch.equal(S["chunk"], S["chunk_padded"][:, :, :ACTION_DIM])
-    S["chunk_unnorm"] = post(S["chunk"])
-
-    S = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in S.items()}
-    save_file(S, str(out / "stages.safetensors"),
-              metadata={"lerobot": lerobot.__version__, "transformers": transformers.__version__,
-                        "torch": torch.__version__})
-    (out / "prompts.json").write_text(json.dumps({"task": PROMPTS, "task_after_newline_step": [
-        p + "\n" for p in PROMPTS], "cameras": CAMERAS}, indent=1) + "\n")
-    (out / "tiny_arch.json").write_text(json.dumps(TINY, indent=1) + "\n")
-
-    policy.save_pretrained(out)
-    pre.save_pretrained(out)
-    post.save_pretrained(out)
+    sample_and_save(out, S, model, policy, batch, pre, post, noise,
+                    lambda: model.sample_actions(images, img_masks, lang_tokens, lang_masks, state, noise=noise),
+                    {"task": PROMPTS, "task_after_newline_step": [p + "\n" for p in PROMPTS], "cameras": CAMERAS})
 
     # -- round trip: LeRobot's from_pretrained (same overrides) must reproduce the chunk
     torch.manual_seed(123)
@@ -369,7 +397,7 @@ def _build(out: Path):
     chunk2 = again.predict_action_chunk(batch, noise=noise)
     assert torch.equal(chunk2, S["chunk"]), (chunk2 - S["chunk"]).abs().max()
     restore()
-    tokenizer_processor.AutoTokenizer = real_auto
+    undo_tokenizer()
     for k, v in S.items():
         print(f"{k:28s} {str(v.dtype).replace('torch.', ''):8s} {list(v.shape)}")
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
@@ -413,17 +441,10 @@ def check_export(out: Path, fixture: Path, policy_class=None, overrides=None) ->
     from safetensors.torch import load_file
 
     from lerobot.envs.utils import preprocess_observation
-    from lerobot.processor import PolicyProcessorPipeline, tokenizer_processor
+    from lerobot.processor import PolicyProcessorPipeline
     from lerobot.processor.converters import policy_action_to_transition, transition_to_policy_action
 
-    tokenizer = make_tokenizer()
-
-    class _Auto:
-        @staticmethod
-        def from_pretrained(name, *a, **k):
-            return tokenizer
-
-    tokenizer_processor.AutoTokenizer = _Auto
+    use_local_tokenizer(make_tokenizer())
     if policy_class is None:
         from lerobot.policies.pi0 import PI0Policy as policy_class
     restore = (overrides or install_tiny_overrides)()
