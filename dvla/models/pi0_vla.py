@@ -51,21 +51,10 @@ from dvla.models.gemma import AdaRMSNorm, GemmaBlock, GemmaLM, RMSNorm, attend, 
 from dvla.models.vlm import SiglipInput, VLMOptions, cameras_used, make_tokenizer
 from dvla.policy import PolicyOutput, PolicySpec, VLAPolicy, register_policy
 from dvla.tokenizers import ByteTokenizer, Prompted
+from dvla.types import Observation
 
 PI0_PROMPT = "{instruction}\n"
 PI05_PROMPT = "Task: {instruction}, State: {state};\nAction: "
-
-
-def _lerobot_config(ckpt: Path) -> dict:
-    """A LeRobot checkpoint's config.json (empty where there is none)."""
-    import json
-
-    file = (ckpt if ckpt.is_dir() else ckpt.parent) / "config.json"
-    try:
-        return json.loads(file.read_text()) if file.is_file() else {}
-    except ValueError:
-        return {}
-from dvla.types import Observation
 
 _SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
                patch_size=14, image_size=224)
@@ -78,6 +67,17 @@ SIZES: dict[str, dict[str, dict]] = {
            "lm": dict(width=2048, mlp=16384, layers=18, heads=8, kv_heads=1, head_dim=256, vocab_size=257152),
            "expert": dict(width=1024, mlp=4096, heads=8)},
 }
+
+
+def _lerobot_config(ckpt: Path) -> dict:
+    """A LeRobot checkpoint's config.json (empty where there is none)."""
+    import json
+
+    file = (ckpt if ckpt.is_dir() else ckpt.parent) / "config.json"
+    try:
+        return json.loads(file.read_text()) if file.is_file() else {}
+    except ValueError:
+        return {}
 
 
 def _transformers():
