@@ -307,7 +307,8 @@ def test_the_transformer_vla_preset_reads_both_cameras(tmp_path):
 @pytest.mark.slow
 def test_a_lerobot_pi0_checkpoint_trains_evaluates_and_exports_with_its_own_statistics(tmp_path, capsys):
     """pi0 as LeRobot wrote it (tests/fixtures/pi0: state 8, actions 7, two cameras, chunks of
-    10) on LIBERO's agent-view and wrist cameras: one GRPO update acts and learns with the
+    10) on LIBERO's agent-view and wrist cameras (physics only: the test is of the statistics and
+    the files, test_pi0_reference's of the images): one GRPO update acts and learns with the
     checkpoint's statistics (the run records them), ``dvla eval`` scores the run with them, and
     ``dvla export --format lerobot`` writes it back under LeRobot's names with its processors."""
     from safetensors import safe_open
@@ -322,7 +323,7 @@ def test_a_lerobot_pi0_checkpoint_trains_evaluates_and_exports_with_its_own_stat
     from tests.unit.dvla.test_pi0_reference import FIXTURE, _options
 
     cfg = presets.libero_spatial()
-    cfg.env = dataclasses.replace(cfg.env, n_envs=2, episode_len=2, image_size=32, render=True,
+    cfg.env = dataclasses.replace(cfg.env, n_envs=2, episode_len=2, image_size=32, render=False,
                                   options={**cfg.env.options, "workers": 0, "wrist_size": 24, "settle_steps": 1,
                                            "task_ids": [1]})
     cfg.policy = dataclasses.replace(cfg.policy, name="pi0_vla", action_chunk=10,
