@@ -147,11 +147,12 @@ def test_the_prefix_cache_and_the_block_causal_mask():
                               policy(obs).dist.mode(), atol=1e-4)
 
 
-def test_each_shard_unit_uses_its_weights_only_in_its_own_forward():
+@pytest.mark.parametrize("version", ["pi0", "pi05"])
+def test_each_shard_unit_uses_its_weights_only_in_its_own_forward(version):
     """As FSDP does, each unit's weights exist only while its forward runs (NaN otherwise):
     the rollout's draw and the learner's scoring stay finite. The reference pass over the
     whole sequence, which mixes a prefix and an expert layer, does not."""
-    env, policy, obs = _setup()
+    env, policy, obs = _setup(version=version)
     units = policy.shard_units()
     n_layers = len(policy.lm.layers)
     assert len(units) == 2 + 2 * n_layers and units[-1] is policy.expert.layers[-1]
@@ -178,8 +179,9 @@ def test_each_shard_unit_uses_its_weights_only_in_its_own_forward():
     assert not torch.isfinite(policy.joint_velocity(obs, draw.actions, torch.zeros(4))[0]).all()
 
 
-def test_lora_adapters_train_and_the_base_weights_freeze():
-    _, policy, _ = _setup(lora_rank=4, lora_expert=True)
+@pytest.mark.parametrize("version", ["pi0", "pi05"])
+def test_lora_adapters_train_and_the_base_weights_freeze(version):
+    _, policy, _ = _setup(lora_rank=4, lora_expert=True, version=version)
     named = dict(policy.named_parameters())
     lora = [n for n in named if "lora_" in n]
     assert any(n.startswith("lm.") for n in lora) and any(n.startswith("action_head.velocity_model.") for n in lora)
