@@ -146,7 +146,14 @@ class BinnedActionDistribution(ActionDistribution):
         return -(self._log_p.exp() * self._log_p).sum(-1).sum(dim=(1, 2))
 
     def tempered(self, temperature: float) -> "BinnedActionDistribution":
-        return BinnedActionDistribution(self.logits / temperature)
+        return BinnedActionDistribution(self.logits / _positive(temperature, "bins"))
+
+
+def _positive(temperature: float, what: str) -> float:
+    if not temperature > 0:
+        raise ValueError(f"the sampling temperature of {what} must be > 0, got {temperature} (0, the noise at the "
+                         "start of a flow chain only, is a flow head's)")
+    return temperature
 
 
 class GaussianActionDistribution(ActionDistribution):
@@ -173,4 +180,4 @@ class GaussianActionDistribution(ActionDistribution):
         return ent.sum(dim=(1, 2))
 
     def tempered(self, temperature: float) -> "GaussianActionDistribution":
-        return GaussianActionDistribution(self.mean, self.log_std + math.log(temperature))
+        return GaussianActionDistribution(self.mean, self.log_std + math.log(_positive(temperature, "a Gaussian")))

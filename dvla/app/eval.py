@@ -28,8 +28,8 @@ def _setup(args, first: JobConfig) -> EvalSetup:
     if episodes < 1 or n_envs < 1:
         raise ConfigError("--episodes and --n-envs must be >= 1")
     tasks = [int(t) for t in args.tasks.split(",")] if args.tasks else None
-    if args.temperature is not None and (not args.sample or not args.temperature > 0):
-        raise ConfigError(f"--temperature {args.temperature}: a temperature > 0, with --sample (the most likely "
+    if args.temperature is not None and (not args.sample or not args.temperature >= 0):
+        raise ConfigError(f"--temperature {args.temperature}: a temperature >= 0, with --sample (the most likely "
                           "actions have none)")
     return EvalSetup(episodes=episodes, n_envs=n_envs, seed=args.seed, deterministic=not args.sample,
                      temperature=args.temperature, suite=suite,
@@ -73,7 +73,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sample", action="store_true", help="sample actions (seeded with --seed) instead of the "
                                                          "most likely ones, at the run's policy.temperature")
     p.add_argument("--temperature", type=float, help="with --sample: sample at this temperature instead of the "
-                                                      "run's policy.temperature")
+                                                      "run's policy.temperature (0, a flow head's: noise at the "
+                                                      "chain's start only, as pi0's own sampler and evaluation scripts)")
     p.add_argument("--seed", type=int, default=0, help="the envs' seed (other envs: their initial states) and the "
                                                        "actions' with --sample (default 0)")
     p.add_argument("--out", help="write every run's result and the comparisons to this file (default: each run's "

@@ -201,6 +201,8 @@ class FlowMatchingHead(nn.Module):
 
 
 class FlowChainDistribution(ActionDistribution):
+    noise_free = False  # tempered(0): noise at x_0 only (pi0's sampler)
+
     def __init__(self, head: FlowMatchingHead, cond: Any, batch_size: int | None = None):
         self.head, self.cond = head, cond
         # The condition's tensors, where a sharded learner finds what starts the backward pass.
@@ -237,11 +239,11 @@ class FlowChainDistribution(ActionDistribution):
         x = start.float().to(dev) if start is not None else torch.zeros(shape, device=dev) if deterministic \
             else torch.randn(shape, generator=generator, device=dev)
         chain, elements = [], torch.zeros(shape, device=dev)
-        sigma = self.log_sigma.exp()
+        sigma, noise_free = self.log_sigma.exp(), deterministic or self.noise_free
         for i in range(self.head.steps):
             chain.append(x)
             mean = self.mean_of_next(x, i)
-            x = mean if deterministic else mean + sigma * torch.randn(shape, generator=generator, device=dev)
+            x = mean if noise_free else mean + sigma * torch.randn(shape, generator=generator, device=dev)
             elements = elements + self._transition_log_prob(x, mean)
         extras = {CHAIN: torch.stack(chain, dim=1)}
         if self.head.padded:
@@ -303,9 +305,17 @@ class FlowChainDistribution(ActionDistribution):
 
     def tempered(self, temperature: float) -> "FlowChainDistribution":
         """The chain's noise ``sigma`` times ``temperature`` (the noise-free integration, the
-        mode, is unchanged)."""
+        mode, is unchanged). ``0``: pi0's own sampler, noise ``x_0 ~ N(0, I)`` and then the
+        noise-free integration (``dvla eval --sample --temperature 0``: as the reference's
+        evaluation scripts act); its steps are scored as the means of the transitions, at the
+        chain's own ``sigma``."""
+        if temperature < 0:
+            raise ValueError(f"a flow chain's temperature must be >= 0, got {temperature}")
         out = copy.copy(self)
-        out.log_sigma = self.log_sigma + math.log(temperature)
+        if temperature == 0:
+            out.noise_free = True
+        else:
+            out.log_sigma = self.log_sigma + math.log(temperature)
         return out
 
     def entropy(self, extras: Extras | None = None) -> Tensor:

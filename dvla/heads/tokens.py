@@ -97,6 +97,8 @@ class TokenActionDistribution(ActionDistribution):
 
     def tempered(self, temperature: float) -> "TokenActionDistribution":
         """Every position's bin logits divided by ``temperature`` (greedy decoding unchanged)."""
+        if not temperature > 0:
+            raise ValueError(f"the sampling temperature of action tokens must be > 0, got {temperature}")
         out = copy.copy(self)
         out.temperature, out._scored = self.temperature * temperature, None
         return out

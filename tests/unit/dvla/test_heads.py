@@ -106,6 +106,25 @@ def test_a_padded_chain_is_scored_over_everything_it_sampled():
         FlowMatchingHead(_Mixing(5), 3, 2, pad_to=1)
 
 
+def test_only_a_flow_chain_samples_at_temperature_zero():
+    """Temperature 0: a flow chain draws its start and integrates without noise (pi0's sampler),
+    scored at its own sigma; a Gaussian or bins have no such thing and say so."""
+    from dvla.distributions import BinnedActionDistribution, GaussianActionDistribution
+
+    head = FlowMatchingHead(MLPVelocity(4, 2, 3, hidden_dim=8), 2, 3, steps=3)
+    cond = torch.randn(5, 4)
+    a = head(cond).tempered(0.0).draw(generator=torch.Generator().manual_seed(2))
+    b = head(cond).tempered(0.0).draw(generator=torch.Generator().manual_seed(2))
+    start = torch.randn(5, 2, 3, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(a.actions, b.actions) and torch.isfinite(a.log_prob).all()
+    assert torch.allclose(a.actions, head(cond).draw(deterministic=True, start=start).actions)
+    assert not torch.allclose(a.actions, head(cond).mode())
+    for dist in (GaussianActionDistribution(torch.zeros(2, 3), torch.zeros(2, 3)),
+                 BinnedActionDistribution(torch.zeros(2, 1, 3, 5))):
+        with pytest.raises(ValueError, match="must be > 0, got 0"):
+            dist.tempered(0.0)
+
+
 def test_the_flow_head_refuses_to_score_without_its_chain():
     head = FlowMatchingHead(MLPVelocity(4, 2, 3, hidden_dim=8), 2, 3, steps=3)
     dist = head(torch.zeros(5, 4))

@@ -335,9 +335,11 @@ def test_a_lerobot_pi0_checkpoint_trains_evaluates_and_exports_with_its_own_stat
     assert summary["error"] is None and summary["version"] == 1
     theirs = lerobot_normalizer(FIXTURE)
     assert Normalizer.from_json((tmp_path / "run" / "normalization.json").read_text()).digest() == theirs.digest()
+    # (as the reference's evaluation scripts act: noise at the chain's start only)
     assert cli(["eval", str(tmp_path / "run"), "--suite", "libero_spatial", "--tasks", "1", "--episodes", "1",
-                "--n-envs", "1"]) == 0
-    assert json.loads((tmp_path / "run" / "eval_libero_spatial.json").read_text())["tasks"]["1"]["episodes"] == 1
+                "--n-envs", "1", "--sample", "--temperature", "0"]) == 0
+    result = json.loads((tmp_path / "run" / "eval_libero_spatial.json").read_text())
+    assert result["tasks"]["1"]["episodes"] == 1 and result["temperature"] == 0.0
     assert cli(["export", str(tmp_path / "run"), "--format", "lerobot", "--out", str(tmp_path / "out")]) == 0
     with safe_open(str(FIXTURE / "model.safetensors"), "pt") as a, \
             safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as b:

@@ -122,6 +122,18 @@ def test_the_chunk_for_given_noise_is_lerobots(ref):
     # The chain's log-probability covers the padded dims it sampled.
     scored = dist.log_prob(draw.actions, draw.extras)
     assert torch.allclose(scored, draw.log_prob, atol=1e-3)
+    # At temperature 0 (dvla eval --sample --temperature 0) the policy acts as the reference's
+    # sampler does: noise from the generator, then the noise-free integration, un-normalised.
+    policy.temperature = 0.0
+    try:
+        acted = policy.act(obs, generator=torch.Generator().manual_seed(3))
+    finally:
+        policy.temperature = 1.0
+    noise = torch.randn(st["noise"].shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = dist.draw(deterministic=True, start=noise).actions
+    _close(acted.actions, policy.normalizer.unactions(want), "act at temperature 0", 5e-5)
+    assert torch.isfinite(acted.log_probs).all()
 
 
 @pytest.mark.parametrize("version", list(VERSIONS))
