@@ -226,6 +226,8 @@ def _job_was_told() -> bool:
 
 
 STOP_KEY = "dvla/stop"  # set by the first rank a stop signal reaches: rank 0 then stops the job
+STOP_SEEN_KEY = "dvla/stop_seen"  # set by rank 0 once it has the stop: the job will end as one
+STOP_SEEN_WAIT_S = 5.0  # how long a signalled rank waits for rank 0 to see the stop before it leaves alone
 LEFT_KEY = "dvla/left/"  # + rank: this rank stopped and is about to exit
 LEAVE_WAIT_S = 20.0  # how long a stopped rank waits for the others before it exits anyway
 
@@ -271,10 +273,11 @@ class JobStop:
         if self.rank == 0:
             if self.world > 1 and self.by is None:
                 self._tell(why)  # first, so that every rank knows its run's end is a stop's
+                self._seen()
             self._stop(why)
         elif self.by is None:
             self.by = why  # rank 0 stops the job: its end reaches this rank as a run's end does
-            threading.Thread(target=self._tell, args=(why,), daemon=True).start()  # (a store call may block)
+            threading.Thread(target=self._tell_or_leave, args=(why,), daemon=True).start()  # (a store call may block)
 
     def attach(self, stop: Callable[[], None]) -> None:
         with self._lock:
@@ -298,6 +301,34 @@ class JobStop:
         except Exception:  # no store: the others stop when the lanes lose this rank
             pass
 
+    def _tell_or_leave(self, why: str) -> None:
+        """A rank other than 0: say so, then wait (:data:`STOP_SEEN_WAIT_S`) for rank 0 to see
+        it; where rank 0 is gone (failed or killed: torchrun signals the survivors of a rank
+        it lost), no one is left to end the job, so this rank leaves at once instead of
+        sitting out torchrun's grace period until it is killed."""
+        from dvla.distributed.groups import store_client
+
+        self._tell(why)
+        try:
+            client = store_client(timeout_s=STOP_SEEN_WAIT_S)  # a connection of its own: a wait holds one
+            if client is None:
+                return  # (no store outlives the ranks here: the lanes lose rank 0 instead)
+            failed = client.check([f"{LEFT_KEY}0"]) and client.get(f"{LEFT_KEY}0") == b"failed"  # (fail() says so)
+            if not failed:
+                client.wait([STOP_SEEN_KEY], timedelta(seconds=STOP_SEEN_WAIT_S))
+                return  # rank 0 ends the job as one
+        except Exception:  # not seen in time, or the store is going: rank 0 is gone
+            pass
+        sys.stdout.flush()
+        abandon(1)
+
+    def _seen(self) -> None:
+        """Rank 0 has the stop: the signalled ranks wait for the job's end."""
+        try:
+            self.store.set(STOP_SEEN_KEY, "1")
+        except Exception:
+            pass
+
     def _watch(self) -> None:
         from dvla.distributed.groups import store_client
 
@@ -312,6 +343,7 @@ class JobStop:
                 except _store_timeout():
                     continue
             why = client.get(STOP_KEY).decode()
+            client.set(STOP_SEEN_KEY, "1")
         except Exception:  # the store went away (the job is ending): nothing to watch
             return
         self._stop(why)

@@ -126,6 +126,10 @@ def test_a_killed_rollout_rank_then_a_killed_learner_restart_resume_and_are_coun
     which could write nothing, is recorded as killed by the next one, so the attempts are
     numbered in the order they started (issue #47, 8)."""
     out = _torchrun_and_kill(tmp_path, kills=[(2, 6), (0, 10)], iterations=16)
+    # With the learner killed, the survivors leave on torchrun's SIGTERM (rank 0 never sees
+    # their stop) instead of sitting out its 30 s grace period and being killed.
+    log = (tmp_path / "torchrun.log").read_text()
+    assert "Unable to shutdown process" not in log, log[-3000:]
     final = json.loads((out / "summary.json").read_text())
     assert final["restarts"] == 2 and final["resumed_from"] >= 9 and final["version"] == 16
     rows = read_metrics(out / "metrics.jsonl")
@@ -179,6 +183,9 @@ def test_a_hung_rollout_rank_is_detected_and_the_run_stops_with_a_report(tmp_pat
     assert frozen is not None and rc != 0, text[-4000:]
     assert "rollout rank(s) rank2 stopped sending heartbeats for 3s" in text
     assert detected < 20, detected
+    # The healthy rollout rank leaves on torchrun's SIGTERM once rank 0 has failed, instead of
+    # waiting to be told the job's end (it used to sit out torchrun's 30 s and be killed).
+    assert "Unable to shutdown process" not in text, text[-3000:]
     summary = json.loads((out / "attempts" / "attempt0.json").read_text())
     assert "rank2 stopped sending heartbeats" in summary["error"]
     assert summary["chunk_accounting"]["unaccounted"] == 0
