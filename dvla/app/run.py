@@ -305,22 +305,26 @@ class JobStop:
         """A rank other than 0: say so, then wait (:data:`STOP_SEEN_WAIT_S`) for rank 0 to see
         it; where rank 0 is gone (failed or killed: torchrun signals the survivors of a rank
         it lost), no one is left to end the job, so this rank leaves at once instead of
-        sitting out torchrun's grace period until it is killed."""
+        sitting out torchrun's grace period until it is killed: exit 2 where a rank's mistake
+        ended the job (as :meth:`leave`), else 1."""
         from dvla.distributed.groups import store_client
 
         self._tell(why)
         try:
-            client = store_client(timeout_s=STOP_SEEN_WAIT_S)  # a connection of its own: a wait holds one
-            if client is None:
-                return  # (no store outlives the ranks here: the lanes lose rank 0 instead)
-            failed = client.check([f"{LEFT_KEY}0"]) and client.get(f"{LEFT_KEY}0") == b"failed"  # (fail() says so)
-            if not failed:
+            # A peer's mistake ends the job (it has said so), or rank 0 failed (fail() marks it):
+            # leave without waiting. Otherwise wait for rank 0 on a connection of its own.
+            gone = _job_was_told() or (self.store.check([f"{LEFT_KEY}0"])
+                                        and self.store.get(f"{LEFT_KEY}0") == b"failed")
+            if not gone:
+                client = store_client(timeout_s=STOP_SEEN_WAIT_S)
+                if client is None:
+                    return  # (no store outlives the ranks here: the lanes lose rank 0 instead)
                 client.wait([STOP_SEEN_KEY], timedelta(seconds=STOP_SEEN_WAIT_S))
                 return  # rank 0 ends the job as one
         except Exception:  # not seen in time, or the store is going: rank 0 is gone
             pass
         sys.stdout.flush()
-        abandon(1)
+        abandon(EXIT_USER_ERROR if _job_was_told() else 1)  # (a peer's mistake, said by it, ended the job)
 
     def _seen(self) -> None:
         """Rank 0 has the stop: the signalled ranks wait for the job's end."""
